@@ -1,0 +1,126 @@
+"""Build leanddp's C++/CUDA extension ``leanddp._C`` against the torch already installed.
+
+Install with ``pip install --no-build-isolation .`` (or ``-e .``): the extension must be
+compiled against the very torch it will run with, so pip must not build it in an isolated
+environment with a different torch.
+
+Build environment variables
+---------------------------
+LEANDDP_FORCE_CUDA=1     Build the CUDA kernels even if the automatic check says no; fails
+                         if torch has no CUDA or nvcc cannot be found. ``FORCE_CUDA=1`` is
+                         accepted too.
+LEANDDP_CPU_ONLY=1       Never build the CUDA kernels (CPU kernels only). Calling an op on
+                         CUDA tensors then raises an error that says how to rebuild.
+TORCH_CUDA_ARCH_LIST     CUDA architectures, e.g. "8.0;9.0+PTX". Default: those of the visible
+                         GPUs, or DEFAULT_ARCH_LIST below when no GPU is visible (building on
+                         a machine without a GPU is supported).
+CUDA_HOME / CUDA_PATH    CUDA toolkit root. Default: found from nvcc on PATH, else /usr/local/cuda.
+MAX_JOBS                 Parallel compile jobs (ninja). Default: torch's choice (all cores).
+LEANDDP_DEBUG=1          Compile with -O0 -g and without NDEBUG.
+
+By default the CUDA kernels are built whenever the installed torch has CUDA
+(``torch.version.cuda``) and a CUDA toolkit with nvcc is found; no GPU is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).parent.resolve()
+DEFAULT_ARCH_LIST = "8.0;9.0+PTX"  # A100 and H100/H200 native, PTX for newer GPUs
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _find_cuda_home() -> str | None:
+    """CUDA toolkit root: env, then nvcc's real location, then /usr/local/cuda."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return os.environ[var]
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parent.parent)
+    candidates.append(Path("/usr/local/cuda"))
+    for cand in candidates:
+        # nvcc on PATH may be a wrapper script: only accept a directory holding the headers.
+        if (cand / "bin" / "nvcc").exists() and (cand / "include" / "cuda_runtime.h").exists():
+            return str(cand)
+    return None
+
+
+# torch.utils.cpp_extension reads CUDA_HOME once, at import: resolve it first.
+_cuda_home = _find_cuda_home()
+if _cuda_home:
+    os.environ["CUDA_HOME"] = _cuda_home
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+
+def _want_cuda() -> bool:
+    force = _flag("LEANDDP_FORCE_CUDA") or _flag("FORCE_CUDA")
+    if _flag("LEANDDP_CPU_ONLY"):
+        if force:
+            raise RuntimeError("LEANDDP_CPU_ONLY and LEANDDP_FORCE_CUDA are both set; pick one")
+        return False
+    available = torch.version.cuda is not None and _cuda_home is not None
+    if force and not available:
+        raise RuntimeError(
+            "LEANDDP_FORCE_CUDA=1 but the CUDA kernels cannot be built: "
+            f"torch.version.cuda={torch.version.cuda!r}, CUDA toolkit={_cuda_home!r}. "
+            "Install a CUDA build of torch and the CUDA toolkit (nvcc), or set CUDA_HOME."
+        )
+    return available
+
+
+def _extension():
+    with_cuda = _want_cuda()
+    debug = _flag("LEANDDP_DEBUG")
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
+    opt = ["-O0", "-g"] if debug else ["-O3"]  # C++ standard: torch's choice (C++20 from 2.14)
+    cxx = [*opt, "-fno-math-errno", "-ffp-contract=off", "-Wall", "-Wno-unused-function"]
+    link = []
+    if platform.system() == "Linux":
+        # at::parallel_for is OpenMP inlined into our code: without -fopenmp it silently runs on
+        # one thread. The soname matches the libgomp torch ships, so one OpenMP runtime is used.
+        cxx.append("-fopenmp")
+        link.append("-fopenmp")
+    define_macros = []
+    if not debug:
+        define_macros.append(("NDEBUG", None))
+    if platform.machine() in ("x86_64", "AMD64"):
+        define_macros.append(("LEANDDP_X86_DISPATCH", None))
+    if not with_cuda:
+        return CppExtension(
+            "leanddp._C",
+            sources,
+            define_macros=define_macros,
+            extra_compile_args={"cxx": cxx},
+            extra_link_args=link,
+        )
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
+    sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cu"))
+    define_macros.append(("LEANDDP_WITH_CUDA", None))
+    nvcc = [*opt, "-lineinfo"]  # no fast-math: results must match torch
+    return CUDAExtension(
+        "leanddp._C",
+        sources,
+        define_macros=define_macros,
+        extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        extra_link_args=link,
+    )
+
+
+setup(
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension},
+)
