@@ -1,0 +1,203 @@
+#include "checks.h"
+
+#include "flat_common.h"
+
+#include <ATen/MemoryOverlap.h>
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+
+namespace leanddp::ops {
+namespace {
+
+// Byte range [lo, hi) spanned by a tensor's elements (torch strides are never negative).
+struct Span {
+  uintptr_t lo = 0;
+  uintptr_t hi = 0;
+};
+
+Span span_of(const at::Tensor& t) {
+  if (t.numel() == 0) return {};
+  const auto lo = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return {lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size())};
+}
+
+bool overlaps(Span a, Span b) { return a.lo < b.hi && b.lo < a.hi; }
+
+constexpr size_t kMaxStates = 2;  // exp_avg and exp_avg_sq
+
+bool is_grad_dtype(at::ScalarType s) {
+  return s == at::kFloat || s == at::kBFloat16 || s == at::kHalf;
+}
+
+bool is_low_precision(at::ScalarType s) { return s == at::kBFloat16 || s == at::kHalf; }
+
+}  // namespace
+
+std::vector<int64_t> check_flat_args(const char* op, at::TensorList tensors, const at::Tensor& flat,
+                                     const char* flat_name, bool tensors_written,
+                                     std::optional<double> scale) {
+  TORCH_CHECK_VALUE(flat.dim() == 1, op, ": ", flat_name, " must be 1-D, got shape ", flat.sizes());
+  TORCH_CHECK_VALUE(flat.is_contiguous(), op, ": ", flat_name, " must be contiguous");
+  std::vector<int64_t> offsets(tensors.size() + 1, 0);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    TORCH_CHECK_TYPE(t.scalar_type() == flat.scalar_type(), op, ": tensors[", i, "] has dtype ",
+                     t.scalar_type(), " but ", flat_name, " has dtype ", flat.scalar_type(),
+                     "; all tensors must share ", flat_name, "'s dtype");
+    TORCH_CHECK_VALUE(t.device() == flat.device(), op, ": tensors[", i, "] is on ", t.device(),
+                      " but ", flat_name, " is on ", flat.device());
+    if (tensors_written) {
+      TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": tensors[", i,
+                        "] has internally overlapping memory (e.g. an expanded tensor) and "
+                        "cannot be written");
+    }
+    offsets[i + 1] = offsets[i] + t.numel();
+  }
+  TORCH_CHECK_VALUE(offsets.back() <= flat.numel(), op, ": ", flat_name, " has ", flat.numel(),
+                    " elements but the tensors hold ", offsets.back());
+  if (scale.has_value()) {
+    TORCH_CHECK_TYPE(at::isFloatingType(flat.scalar_type()), op,
+                     ": scale needs a floating-point dtype, got ", flat.scalar_type());
+    TORCH_CHECK_VALUE(std::isfinite(*scale), op, ": scale must be finite, got ", *scale);
+  }
+  const auto* base = static_cast<const char*>(flat.const_data_ptr());
+  const Span touched{reinterpret_cast<uintptr_t>(base),
+                     reinterpret_cast<uintptr_t>(base + offsets.back() * flat.element_size())};
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    if (t.numel() == 0 || !overlaps(span_of(t), touched)) continue;
+    TORCH_CHECK_VALUE(is_flat_slice(t, flat, offsets[i]), op, ": tensors[", i, "] overlaps ",
+                      flat_name, " outside its own slice [", offsets[i], ", ", offsets[i + 1],
+                      "); only a tensor that is exactly its slice may share ", flat_name,
+                      "'s memory");
+  }
+  return offsets;
+}
+
+void check_optim_lists(const char* op, at::TensorList params, at::TensorList grads,
+                       std::initializer_list<NamedList> states, at::TensorList param_copy) {
+  const size_t n = params.size();
+  TORCH_CHECK(states.size() <= kMaxStates, op, ": at most ", kMaxStates, " state lists");
+  auto check_len = [&](const char* name, at::TensorList list) {
+    TORCH_CHECK_VALUE(list.size() == n, op, ": ", name, " has ", list.size(),
+                      " tensors but params has ", n);
+  };
+  check_len("grads", grads);
+  for (const auto& s : states) check_len(s.name, s.tensors);
+  if (!param_copy.empty()) check_len("param_copy", param_copy);
+  if (n == 0) return;
+
+  const auto device = params[0].device();
+  auto check_like_param = [&](const char* name, size_t i, const at::Tensor& t) {
+    const auto& p = params[i];
+    TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, "[", i, "] is on ", t.device(),
+                      " but params[0] is on ", device);
+    TORCH_CHECK_VALUE(t.numel() == p.numel(), op, ": ", name, "[", i, "] has ", t.numel(),
+                      " elements but params[", i, "] has ", p.numel());
+    TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, "[", i, "] must be contiguous");
+  };
+  const auto grad_dtype = grads[0].scalar_type();
+  TORCH_CHECK_TYPE(is_grad_dtype(grad_dtype), op, ": grads[0] has dtype ", grad_dtype,
+                   "; expected Float, BFloat16 or Half");
+  const auto copy_dtype = param_copy.empty() ? at::kBFloat16 : param_copy[0].scalar_type();
+  TORCH_CHECK_TYPE(is_low_precision(copy_dtype), op, ": param_copy[0] has dtype ", copy_dtype,
+                   "; expected BFloat16 or Half");
+
+  for (size_t i = 0; i < n; ++i) {
+    check_like_param("params", i, params[i]);
+    TORCH_CHECK_TYPE(params[i].scalar_type() == at::kFloat, op, ": params[", i, "] has dtype ",
+                     params[i].scalar_type(), "; parameters are stepped in Float");
+    check_like_param("grads", i, grads[i]);
+    TORCH_CHECK_TYPE(grads[i].scalar_type() == grad_dtype, op, ": grads[", i, "] has dtype ",
+                     grads[i].scalar_type(), " but grads[0] has ", grad_dtype,
+                     "; all grads must share one dtype");
+    // params, grads, up to kMaxStates state lists, param_copy: pairwise disjoint.
+    std::array<Span, kMaxStates + 3> spans{span_of(params[i]), span_of(grads[i])};
+    std::array<const char*, kMaxStates + 3> names{"params", "grads"};
+    size_t count = 2;
+    for (const auto& s : states) {
+      const auto& t = s.tensors[i];
+      check_like_param(s.name, i, t);
+      TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op, ": ", s.name, "[", i, "] has dtype ",
+                       t.scalar_type(), "; optimizer state is Float");
+      spans[count] = span_of(t);
+      names[count++] = s.name;
+    }
+    if (!param_copy.empty()) {
+      check_like_param("param_copy", i, param_copy[i]);
+      TORCH_CHECK_TYPE(param_copy[i].scalar_type() == copy_dtype, op, ": param_copy[", i,
+                       "] has dtype ", param_copy[i].scalar_type(), " but param_copy[0] has ",
+                       copy_dtype);
+      spans[count] = span_of(param_copy[i]);
+      names[count++] = "param_copy";
+    }
+    for (size_t a = 0; a < count; ++a) {
+      for (size_t b = a + 1; b < count; ++b) {
+        TORCH_CHECK_VALUE(!overlaps(spans[a], spans[b]), op, ": ", names[a], "[", i, "] and ",
+                          names[b], "[", i, "] share memory");
+      }
+    }
+  }
+}
+
+namespace {
+
+void check_finite_nonneg(const char* op, const char* name, double value) {
+  TORCH_CHECK_VALUE(std::isfinite(value) && value >= 0, op, ": ", name,
+                    " must be finite and >= 0, got ", value);
+}
+
+void check_unit_interval(const char* op, const char* name, double value) {
+  TORCH_CHECK_VALUE(value >= 0 && value < 1, op, ": ", name, " must be in [0, 1), got ", value);
+}
+
+void check_grad_scale(const char* op, std::optional<double> grad_scale) {
+  TORCH_CHECK_VALUE(!grad_scale.has_value() || std::isfinite(*grad_scale), op,
+                    ": grad_scale must be finite, got ", grad_scale.value_or(0.0));
+}
+
+}  // namespace
+
+void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
+                     at::TensorList exp_avg_sq, at::TensorList param_copy, double lr, double beta1,
+                     double beta2, double eps, double weight_decay, int64_t step,
+                     std::optional<double> grad_scale) {
+  constexpr const char* op = "leanddp::adam_step_";
+  check_finite_nonneg(op, "lr", lr);
+  check_unit_interval(op, "beta1", beta1);
+  check_unit_interval(op, "beta2", beta2);
+  check_finite_nonneg(op, "eps", eps);
+  check_finite_nonneg(op, "weight_decay", weight_decay);
+  TORCH_CHECK_VALUE(step >= 1, op, ": step must be >= 1 (the 1-based count of this update), got ",
+                    step);
+  check_grad_scale(op, grad_scale);
+  check_optim_lists(op, params, grads, {{"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}},
+                    param_copy);
+}
+
+void check_sgd_args(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
+                    at::TensorList param_copy, double lr, double momentum, double dampening,
+                    bool nesterov, double weight_decay, std::optional<double> grad_scale) {
+  constexpr const char* op = "leanddp::sgd_step_";
+  check_finite_nonneg(op, "lr", lr);
+  check_finite_nonneg(op, "momentum", momentum);
+  TORCH_CHECK_VALUE(std::isfinite(dampening), op, ": dampening must be finite, got ", dampening);
+  check_finite_nonneg(op, "weight_decay", weight_decay);
+  TORCH_CHECK_VALUE(!nesterov || (momentum > 0 && dampening == 0), op,
+                    ": nesterov needs momentum > 0 and dampening == 0");
+  check_grad_scale(op, grad_scale);
+  if (momentum == 0) {
+    TORCH_CHECK_VALUE(momentum_buffer.empty(), op,
+                      ": momentum_buffer must be empty when momentum is 0");
+    check_optim_lists(op, params, grads, {}, param_copy);
+  } else {
+    check_optim_lists(op, params, grads, {{"momentum_buffer", momentum_buffer}}, param_copy);
+  }
+}
+
+}  // namespace leanddp::ops

@@ -1,0 +1,57 @@
+// Argument validation shared by every backend of leanddp's ops.
+//
+// Each function runs before an op writes anything, and throws a c10::Error subclass (ValueError
+// or TypeError in Python) whose message names the op, the argument and the list index at fault.
+// The CPU and CUDA kernels call the same checks, so both backends accept and reject the same
+// inputs.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <vector>
+
+namespace leanddp::ops {
+
+// flatten_into / unflatten_from.
+//
+// `tensors` are the per-tensor side, `flat` the 1-D buffer; `tensors_written` says which side is
+// written (unflatten writes `tensors`, flatten writes `flat`). Checks: `flat` is 1-D and
+// contiguous; every tensor has flat's dtype and device; their total numel fits in `flat`; `scale`
+// is only given for floating dtypes; no written memory overlaps memory that is read, except a
+// tensor that *is* its own slice of `flat` (a bucket view), which is allowed. Returns the
+// exclusive prefix sums of the numels (the flat offset of each tensor), plus the total at the end.
+std::vector<int64_t> check_flat_args(const char* op, at::TensorList tensors, const at::Tensor& flat,
+                                     const char* flat_name, bool tensors_written,
+                                     std::optional<double> scale);
+
+// A tensor's first byte. Only tensors the op writes go through data_ptr(): a read-only one
+// (e.g. a lazily cloned, copy-on-write tensor) must not be materialized by reading it.
+inline char* raw_data(const at::Tensor& t, bool written) {
+  return written ? static_cast<char*>(t.data_ptr())
+                 : const_cast<char*>(static_cast<const char*>(t.const_data_ptr()));
+}
+
+// One per-tensor state list of an optimizer op, e.g. {"exp_avg", exp_avg}.
+struct NamedList {
+  const char* name;
+  at::TensorList tensors;
+};
+
+// Fused optimizer ops. `params` are float32, contiguous, all on one device; each list in
+// `states` (float32) and `grads` (float32, bfloat16 or float16, one dtype for all) matches
+// params element-wise in numel, device and contiguity; `param_copy` is empty or the same
+// length, bfloat16 or float16. No tensor overlaps params[i] or another list's i-th tensor.
+void check_optim_lists(const char* op, at::TensorList params, at::TensorList grads,
+                       std::initializer_list<NamedList> states, at::TensorList param_copy);
+
+// Every argument of adam_step_ / sgd_step_, lists and hyper-parameters (same order as the op).
+void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
+                     at::TensorList exp_avg_sq, at::TensorList param_copy, double lr, double beta1,
+                     double beta2, double eps, double weight_decay, int64_t step,
+                     std::optional<double> grad_scale);
+void check_sgd_args(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
+                    at::TensorList param_copy, double lr, double momentum, double dampening,
+                    bool nesterov, double weight_decay, std::optional<double> grad_scale);
+
+}  // namespace leanddp::ops

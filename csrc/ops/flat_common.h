@@ -1,0 +1,28 @@
+// Host-side pieces of flatten_into / unflatten_from shared by the CPU and CUDA backends.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <utility>
+#include <vector>
+
+namespace leanddp::ops {
+
+// True when `t` is contiguous and starts exactly at element `offset` of `flat` (shares its
+// memory): flattening it is a no-op, scaling it is an in-place multiply.
+bool is_flat_slice(const at::Tensor& t, const at::Tensor& flat, int64_t offset);
+
+// Copies to run after the kernel: (destination, staging) pairs.
+using PendingCopies = std::vector<std::pair<at::Tensor, at::Tensor>>;
+
+// For a kernel that only handles contiguous memory: the contiguous tensor to process in place of
+// the non-contiguous `t`, whose slice of `flat` starts at `offset`. Returns an undefined tensor
+// when nothing is left to do. Flattening: `t` is copied into its slice now, and the slice is
+// returned to be scaled in place. Unflattening: unscaled, `t` is filled now; scaled, a staging
+// tensor is returned for the kernel to write, and (t, staging) is added to `pending`.
+// Scaling always happens in our kernels, never in torch's in-place mul_, whose reduced-precision
+// rounding of the scalar differs from `tensor * scale`.
+at::Tensor contiguous_stand_in(const at::Tensor& t, const at::Tensor& flat, int64_t offset,
+                               bool to_flat, bool scaled, PendingCopies& pending);
+
+}  // namespace leanddp::ops
