@@ -1,0 +1,33 @@
+// The vectorized inner loops of the CPU kernels, as a table of function pointers filled with the
+// widest instruction set the running CPU supports (chosen once, at load time).
+#pragma once
+
+#include "optim_math.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace leanddp::ops {
+
+struct CpuLoops {
+  const char* name;  // "avx512", "avx2" or "baseline"
+  void (*adam)(float* p, const float* g, float* m, float* v, int64_t n, const AdamConsts& c);
+  // buf == nullptr: SGD without momentum.
+  void (*sgd)(float* p, const float* g, float* buf, int64_t n, const SgdConsts& c);
+  void (*bf16_to_float)(const c10::BFloat16* src, float* dst, int64_t n);
+  void (*half_to_float)(const c10::Half* src, float* dst, int64_t n);
+  void (*float_to_bf16)(const float* src, c10::BFloat16* dst, int64_t n);
+  void (*float_to_half)(const float* src, c10::Half* dst, int64_t n);
+  // dst[i] = src[i] * scale in the dtype's math type; src may equal dst.
+  void (*scale_float)(const float* src, float* dst, int64_t n, double scale);
+  void (*scale_double)(const double* src, double* dst, int64_t n, double scale);
+  void (*scale_bf16)(const c10::BFloat16* src, c10::BFloat16* dst, int64_t n, double scale);
+  void (*scale_half)(const c10::Half* src, c10::Half* dst, int64_t n, double scale);
+};
+
+// The loops for this CPU.
+const CpuLoops& cpu_loops();
+
+}  // namespace leanddp::ops

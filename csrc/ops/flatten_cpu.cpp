@@ -1,0 +1,113 @@
+// CPU kernels of flatten_into and unflatten_from.
+//
+// Contiguous tensors are cut into chunks (chunks.h) and copied by at::parallel_for workers with
+// memcpy, or with the vectorized scale loop when a scale is given; the rare non-contiguous tensor
+// is moved by torch's strided copy_ and processed through a contiguous stand-in (flat_common.h).
+#include "checks.h"
+#include "chunks.h"
+#include "cpu_kernels.h"
+#include "flat_common.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+namespace leanddp::ops {
+namespace {
+
+constexpr int64_t kChunkBytes = 256 << 10;   // one worker's unit of copying
+constexpr int64_t kSerialBytes = 256 << 10;  // below this total, threads cost more than they save
+
+// dst[i] = src[i] * scale for n elements of `dtype` (src may equal dst).
+void scale_bytes(at::ScalarType dtype, const void* src, void* dst, int64_t n, double scale) {
+  const auto& l = cpu_loops();
+  switch (dtype) {
+    case at::kFloat:
+      return l.scale_float(static_cast<const float*>(src), static_cast<float*>(dst), n, scale);
+    case at::kDouble:
+      return l.scale_double(static_cast<const double*>(src), static_cast<double*>(dst), n, scale);
+    case at::kBFloat16:
+      return l.scale_bf16(static_cast<const c10::BFloat16*>(src), static_cast<c10::BFloat16*>(dst),
+                          n, scale);
+    case at::kHalf:
+      return l.scale_half(static_cast<const c10::Half*>(src), static_cast<c10::Half*>(dst), n,
+                          scale);
+    default:
+      TORCH_CHECK_TYPE(false, "leanddp: scale is not supported for dtype ", dtype);
+  }
+}
+
+// Copies between `tensors` and consecutive slices of `flat`: into flat when `to_flat`, out of it
+// otherwise; each element multiplied by `scale` when given.
+void flat_copy_cpu(const char* op, at::TensorList tensors, const at::Tensor& flat,
+                   std::optional<double> scale, bool to_flat) {
+  const auto offsets =
+      check_flat_args(op, tensors, flat, to_flat ? "out" : "flat", !to_flat, scale);
+  const auto dtype = flat.scalar_type();
+  const int64_t itemsize = flat.element_size();
+  char* flat_base = raw_data(flat, /*written=*/to_flat);
+
+  // Per tensor: the contiguous memory the chunked loop processes on its side, and how many
+  // elements (0 = nothing to do: empty, already in place, or fully handled by its stand-in).
+  std::vector<char*> data(tensors.size());
+  std::vector<int64_t> numels(tensors.size(), 0);
+  PendingCopies pending;  // also keeps unflatten's staging tensors alive through the loop
+  int64_t total_bytes = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    at::Tensor t = tensors[i];
+    if (t.numel() == 0) continue;
+    if (!t.is_contiguous()) {
+      t = contiguous_stand_in(t, flat, offsets[i], to_flat, scale.has_value(), pending);
+      if (!t.defined()) continue;
+    }
+    if (!scale && is_flat_slice(t, flat, offsets[i])) continue;
+    data[i] = raw_data(t, /*written=*/!to_flat);
+    numels[i] = t.numel();
+    total_bytes += t.numel() * itemsize;
+  }
+
+  const int64_t chunk_elems = std::max<int64_t>(1, kChunkBytes / itemsize);
+  const auto chunks = plan_chunks(numels, chunk_elems);
+  auto body = [&](int64_t first, int64_t last) {
+    for (int64_t k = first; k < last; ++k) {
+      const Chunk c = chunks[k];
+      const int64_t begin = chunk_begin(c, chunk_elems);
+      const int64_t len = chunk_len(c, chunk_elems, numels[c.tensor]);
+      char* t_ptr = data[c.tensor] + begin * itemsize;
+      char* f_ptr = flat_base + (offsets[c.tensor] + begin) * itemsize;
+      char* dst = to_flat ? f_ptr : t_ptr;
+      const char* src = to_flat ? t_ptr : f_ptr;
+      if (scale) {
+        scale_bytes(dtype, src, dst, len, *scale);
+      } else {
+        std::memcpy(dst, src, len * itemsize);
+      }
+    }
+  };
+  if (total_bytes < kSerialBytes) {
+    body(0, static_cast<int64_t>(chunks.size()));
+  } else {
+    at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, body);
+  }
+  for (auto& [dst, staging] : pending) dst.copy_(staging);
+}
+
+void flatten_into_cpu(at::TensorList tensors, const at::Tensor& out, std::optional<double> scale) {
+  flat_copy_cpu("leanddp::flatten_into", tensors, out, scale, /*to_flat=*/true);
+}
+
+void unflatten_from_cpu(const at::Tensor& flat, at::TensorList tensors,
+                        std::optional<double> scale) {
+  flat_copy_cpu("leanddp::unflatten_from", tensors, flat, scale, /*to_flat=*/false);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(leanddp, CPU, m) {
+  m.impl("flatten_into", &flatten_into_cpu);
+  m.impl("unflatten_from", &unflatten_from_cpu);
+}
+
+}  // namespace leanddp::ops

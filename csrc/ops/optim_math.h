@@ -1,0 +1,109 @@
+// The per-element arithmetic of the fused optimizers, shared by the CPU and CUDA kernels.
+//
+// Hyper-parameters are reduced once per call, in double, to the float constants the update
+// needs, rounded exactly as torch's foreach implementations round their Python-float scalars;
+// the element updates then apply the same operations in the same order as torch.optim.Adam(W)
+// and torch.optim.SGD, so results agree with torch to float rounding.
+#pragma once
+
+#include <c10/macros/Macros.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+namespace leanddp::ops {
+
+// Adam and AdamW. `decoupled` selects AdamW (param *= 1 - lr * weight_decay) over Adam's L2
+// term (grad += weight_decay * param).
+struct AdamConsts {
+  float grad_mul;     // grad_scale (1 if none), negated when maximizing
+  float decay_mul;    // 1 - lr * weight_decay for AdamW, else 1
+  float l2;           // weight_decay for Adam
+  bool use_l2;        // Adam with weight_decay != 0
+  float lerp_w;       // 1 - beta1: torch's lerp weight for the first moment
+  float lerp_w_comp;  // 1 - lerp_w, in float, as torch's lerp computes it
+  bool lerp_small;    // lerp_w < 0.5: torch's lerp takes its start + w * (end - start) form
+  float beta2;
+  float one_minus_beta2;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+  float bc2_sqrt;       // sqrt(1 - beta2^step)
+  float eps;
+};
+
+inline AdamConsts make_adam_consts(double lr, double beta1, double beta2, double eps,
+                                   double weight_decay, int64_t step, bool decoupled, bool maximize,
+                                   std::optional<double> grad_scale) {
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  AdamConsts c{};
+  c.grad_mul = static_cast<float>(grad_scale.value_or(1.0)) * (maximize ? -1.0f : 1.0f);
+  c.decay_mul = decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+  c.l2 = decoupled ? 0.0f : static_cast<float>(weight_decay);
+  c.use_l2 = !decoupled && weight_decay != 0.0;
+  c.lerp_w = static_cast<float>(1.0 - beta1);
+  c.lerp_w_comp = 1.0f - c.lerp_w;
+  c.lerp_small = c.lerp_w < 0.5f;
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  c.neg_step_size = static_cast<float>(-(lr / bc1));
+  c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  c.eps = static_cast<float>(eps);
+  return c;
+}
+
+// One element: p, m, v updated in place from gradient g.
+C10_HOST_DEVICE inline void adam_update(float& p, float g, float& m, float& v,
+                                        const AdamConsts& c) {
+  g = g * c.grad_mul;
+  g = c.use_l2 ? g + c.l2 * p : g;  // torch: grad.add(param, alpha=weight_decay)
+  p = p * c.decay_mul;              // torch: param.mul_(1 - lr * weight_decay)
+  const float diff = g - m;         // torch: exp_avg.lerp_(grad, 1 - beta1), both of lerp's forms
+  m = c.lerp_small ? m + c.lerp_w * diff : g - diff * c.lerp_w_comp;
+  v = v * c.beta2 + c.one_minus_beta2 * g * g;  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1-beta2)
+  const float denom = sqrtf(v) / c.bc2_sqrt + c.eps;  // (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+  p = p + c.neg_step_size * (m / denom);              // param.addcdiv_(exp_avg, denom, -step_size)
+}
+
+// SGD with optional momentum, dampening, Nesterov and L2 weight decay.
+struct SgdConsts {
+  float grad_mul;  // grad_scale (1 if none), negated when maximizing
+  float weight_decay;
+  bool use_weight_decay;
+  float momentum;
+  float one_minus_dampening;
+  bool first_step;  // the momentum buffer holds no history: it is set to the gradient
+  bool nesterov;
+  float neg_lr;
+};
+
+inline SgdConsts make_sgd_consts(double lr, double momentum, double dampening, bool nesterov,
+                                 double weight_decay, bool maximize, bool first_step,
+                                 std::optional<double> grad_scale) {
+  SgdConsts c{};
+  c.grad_mul = static_cast<float>(grad_scale.value_or(1.0)) * (maximize ? -1.0f : 1.0f);
+  c.weight_decay = static_cast<float>(weight_decay);
+  c.use_weight_decay = weight_decay != 0.0;
+  c.momentum = static_cast<float>(momentum);
+  c.one_minus_dampening = static_cast<float>(1.0 - dampening);
+  c.first_step = first_step;
+  c.nesterov = nesterov;
+  c.neg_lr = static_cast<float>(-lr);
+  return c;
+}
+
+// One element; `buf` is the momentum buffer element, only touched when kMomentum.
+template <bool kMomentum>
+C10_HOST_DEVICE inline void sgd_update(float& p, float g, float* buf, const SgdConsts& c) {
+  g = g * c.grad_mul;
+  g = c.use_weight_decay ? g + c.weight_decay * p : g;  // torch: d_p.add(param, alpha=wd)
+  if constexpr (kMomentum) {
+    // torch: buf = clone(d_p) on the first step, else buf.mul_(momentum).add_(d_p, 1-dampening)
+    const float b = c.first_step ? g : *buf * c.momentum + c.one_minus_dampening * g;
+    *buf = b;
+    g = c.nesterov ? g + c.momentum * b : b;  // torch: d_p.add(buf, alpha=momentum) or buf
+  }
+  p = p + c.neg_lr * g;  // torch: param.add_(d_p, alpha=-lr)
+}
+
+}  // namespace leanddp::ops
