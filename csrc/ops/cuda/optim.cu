@@ -1,0 +1,181 @@
+// CUDA kernels of the fused optimizer steps: the whole list in one launch.
+//
+// One kernel template serves Adam(W) and SGD through a per-element "rule" that calls the same
+// arithmetic as the CPU kernels (optim_math.h). Block b steps chunk b (chunks.h) of one tensor:
+// four elements per thread per access (16-byte float loads, 8-byte bf16/fp16 loads) when every
+// pointer of the chunk is aligned for it, element by element otherwise. Gradients are upcast and
+// the optional bf16/fp16 parameter copy is written in the same pass.
+#include "../checks.h"
+#include "../optim_math.h"
+#include "common.cuh"
+
+#include <c10/cuda/CUDAException.h>
+#include <torch/library.h>
+
+namespace leanddp::ops::cuda {
+namespace {
+
+constexpr int64_t kChunkElems = 16 << 10;  // one block's share of a tensor
+
+struct OptimTensor {
+  float* param;
+  const void* grad;
+  float* state0;  // exp_avg, or the momentum buffer
+  float* state1;  // exp_avg_sq
+  void* copy;     // bf16/fp16 copy of the updated parameter, or nullptr
+  int64_t numel;
+};
+
+struct AdamRule {
+  static constexpr int kStates = 2;
+  AdamConsts c;
+  __device__ __forceinline__ void operator()(float& p, float g, float& s0, float& s1) const {
+    adam_update(p, g, s0, s1, c);
+  }
+};
+
+template <bool kMomentum>
+struct SgdRule {
+  static constexpr int kStates = kMomentum ? 1 : 0;
+  SgdConsts c;
+  __device__ __forceinline__ void operator()(float& p, float g, float& s0, float&) const {
+    sgd_update<kMomentum>(p, g, &s0, c);
+  }
+};
+
+template <typename Rule, typename G, typename C, bool kCopy>
+__global__ void __launch_bounds__(kThreads)
+    optim_kernel(const OptimTensor* __restrict__ tensors, const Chunk* __restrict__ chunks,
+                 Rule rule) {
+  const Chunk ch = chunks[blockIdx.x];
+  const OptimTensor t = tensors[ch.tensor];
+  const int64_t begin = chunk_begin(ch, kChunkElems);
+  const int64_t n = chunk_len(ch, kChunkElems, t.numel);
+  float* p = t.param + begin;
+  const G* g = static_cast<const G*>(t.grad) + begin;
+  float* s0 = Rule::kStates > 0 ? t.state0 + begin : nullptr;
+  float* s1 = Rule::kStates > 1 ? t.state1 + begin : nullptr;
+  C* copy = kCopy ? static_cast<C*>(t.copy) + begin : nullptr;
+
+  const bool vec = aligned_to(p, 16) && aligned_to(g, 4 * sizeof(G)) &&
+                   (Rule::kStates < 1 || aligned_to(s0, 16)) &&
+                   (Rule::kStates < 2 || aligned_to(s1, 16)) &&
+                   (!kCopy || aligned_to(copy, 4 * sizeof(C)));
+  int64_t done = 0;
+  if (vec) {
+    const int64_t n4 = n / 4 * 4;
+    for (int64_t i = 4 * static_cast<int64_t>(threadIdx.x); i < n4; i += 4 * blockDim.x) {
+      float pv[4], gv[4], a[4] = {}, b[4] = {};
+      load4(p + i, pv);
+      load4(g + i, gv);
+      if constexpr (Rule::kStates > 0) load4(s0 + i, a);
+      if constexpr (Rule::kStates > 1) load4(s1 + i, b);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) rule(pv[k], gv[k], a[k], b[k]);
+      store4(p + i, pv);
+      if constexpr (Rule::kStates > 0) store4(s0 + i, a);
+      if constexpr (Rule::kStates > 1) store4(s1 + i, b);
+      if constexpr (kCopy) store4(copy + i, pv);
+    }
+    done = n4;
+  }
+  for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
+    float pv = p[i];
+    float a = Rule::kStates > 0 ? s0[i] : 0.0f;
+    float b = Rule::kStates > 1 ? s1[i] : 0.0f;
+    rule(pv, static_cast<float>(g[i]), a, b);
+    p[i] = pv;
+    if constexpr (Rule::kStates > 0) s0[i] = a;
+    if constexpr (Rule::kStates > 1) s1[i] = b;
+    if constexpr (kCopy) copy[i] = static_cast<C>(pv);
+  }
+}
+
+// Launches optim_kernel<Rule, ...> over `params` with the grad and copy dtypes of the lists.
+template <typename Rule>
+void launch_optim(const Rule& rule, at::TensorList params, at::TensorList grads,
+                  at::TensorList state0, at::TensorList state1, at::TensorList param_copy) {
+  if (params.empty()) return;
+  const c10::cuda::CUDAGuard guard(params[0].device());
+  std::vector<OptimTensor> tensors(params.size());
+  std::vector<int64_t> numels(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    tensors[i] = {params[i].data_ptr<float>(),
+                  grads[i].const_data_ptr(),
+                  state0.empty() ? nullptr : state0[i].data_ptr<float>(),
+                  state1.empty() ? nullptr : state1[i].data_ptr<float>(),
+                  param_copy.empty() ? nullptr : param_copy[i].data_ptr(),
+                  params[i].numel()};
+    numels[i] = params[i].numel();
+  }
+  const auto chunks = plan_chunks(numels, kChunkElems);
+  if (chunks.empty()) return;
+  LaunchMeta meta;
+  const size_t tensors_at = meta.add(tensors);
+  const size_t chunks_at = meta.add(chunks);
+  meta.upload(params[0].device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+
+  auto with_copy = [&](auto grad_tag) {
+    using G = typename decltype(grad_tag)::type;
+    auto go = [&](auto copy_tag, auto has_copy) {
+      using C = typename decltype(copy_tag)::type;
+      optim_kernel<Rule, G, C, decltype(has_copy)::value>
+          <<<static_cast<unsigned>(chunks.size()), kThreads, 0, stream>>>(
+              meta.at<OptimTensor>(tensors_at), meta.at<Chunk>(chunks_at), rule);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (param_copy.empty()) {
+      go(Tag<c10::BFloat16>{}, std::false_type{});
+    } else if (param_copy[0].scalar_type() == at::kBFloat16) {
+      go(Tag<c10::BFloat16>{}, std::true_type{});
+    } else {
+      go(Tag<c10::Half>{}, std::true_type{});
+    }
+  };
+  switch (grads[0].scalar_type()) {
+    case at::kFloat:
+      return with_copy(Tag<float>{});
+    case at::kBFloat16:
+      return with_copy(Tag<c10::BFloat16>{});
+    case at::kHalf:
+      return with_copy(Tag<c10::Half>{});
+    default:
+      TORCH_CHECK(false, "unreachable: grad dtype was checked");
+  }
+}
+
+void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
+                    at::TensorList exp_avg_sq, at::TensorList param_copy, double lr, double beta1,
+                    double beta2, double eps, double weight_decay, int64_t step,
+                    bool decoupled_weight_decay, bool maximize, std::optional<double> grad_scale) {
+  check_adam_args(params, grads, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps,
+                  weight_decay, step, grad_scale);
+  const AdamRule rule{make_adam_consts(lr, beta1, beta2, eps, weight_decay, step,
+                                       decoupled_weight_decay, maximize, grad_scale)};
+  launch_optim(rule, params, grads, exp_avg, exp_avg_sq, param_copy);
+}
+
+void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
+                   at::TensorList param_copy, double lr, double momentum, double dampening,
+                   bool nesterov, double weight_decay, bool maximize, bool first_step,
+                   std::optional<double> grad_scale) {
+  check_sgd_args(params, grads, momentum_buffer, param_copy, lr, momentum, dampening, nesterov,
+                 weight_decay, grad_scale);
+  const auto consts = make_sgd_consts(lr, momentum, dampening, nesterov, weight_decay, maximize,
+                                      first_step, grad_scale);
+  if (momentum_buffer.empty()) {
+    launch_optim(SgdRule<false>{consts}, params, grads, {}, {}, param_copy);
+  } else {
+    launch_optim(SgdRule<true>{consts}, params, grads, momentum_buffer, {}, param_copy);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(leanddp, CUDA, m) {
+  m.impl("adam_step_", &adam_step_cuda);
+  m.impl("sgd_step_", &sgd_step_cuda);
+}
+
+}  // namespace leanddp::ops::cuda
