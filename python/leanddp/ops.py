@@ -1,0 +1,228 @@
+"""Typed Python wrappers around leanddp's custom ops (``torch.ops.leanddp.*``).
+
+Every op has a CPU and a CUDA kernel, validates all of its arguments before writing anything
+(errors name the argument and the list index), and has a fake implementation here so it traces
+under FakeTensor and ``torch.compile``. The wrappers are thin: the checks and the work happen in
+C++, so the cost per call does not grow with Python work per tensor.
+
+Optimizer ops accept either one flat tensor per argument (a bucket) or lists of tensors with
+matching numels; parameters and optimizer state are float32 and contiguous, gradients float32,
+bfloat16 or float16 (upcast inside the kernel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ._extension import _C  # noqa: F401  (loading it registers torch.ops.leanddp)
+
+TensorOrList = Tensor | Sequence[Tensor]
+
+_flatten_into = torch.ops.leanddp.flatten_into.default
+_unflatten_from = torch.ops.leanddp.unflatten_from.default
+_adam_step = torch.ops.leanddp.adam_step_.default
+_sgd_step = torch.ops.leanddp.sgd_step_.default
+
+
+def _as_list(x: TensorOrList | None) -> Sequence[Tensor]:
+    if x is None:
+        return []
+    return [x] if isinstance(x, Tensor) else x
+
+
+def flatten_into(tensors: Sequence[Tensor], out: Tensor, scale: float | None = None) -> Tensor:
+    """Copy ``tensors`` into consecutive slices of the 1-D ``out``, times ``scale`` if given.
+
+    ``tensors`` share ``out``'s dtype and device and may have any shapes and strides; element
+    order within a slice is ``t.reshape(-1)``'s. ``out`` needs at least the total numel; the rest
+    of it is left alone. A tensor that already is its own slice of ``out`` (a bucket view) is left
+    in place (scaled in place if ``scale`` is given). On CUDA the whole list is one kernel launch.
+    Returns ``out``.
+    """
+    _flatten_into(tensors, out, scale)
+    return out
+
+
+def unflatten_from(flat: Tensor, tensors: Sequence[Tensor], scale: float | None = None) -> None:
+    """Copy consecutive slices of the 1-D ``flat`` into ``tensors`` in place, times ``scale``.
+
+    The inverse of :func:`flatten_into`; ``tensors`` may be non-contiguous views (but not
+    expanded tensors whose elements share memory).
+    """
+    _unflatten_from(flat, tensors, scale)
+
+
+def _adam(
+    decoupled: bool,
+    params,
+    grads,
+    exp_avg,
+    exp_avg_sq,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    maximize,
+    grad_scale,
+    param_copy,
+) -> None:
+    _adam_step(
+        _as_list(params),
+        _as_list(grads),
+        _as_list(exp_avg),
+        _as_list(exp_avg_sq),
+        _as_list(param_copy),
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        step=step,
+        decoupled_weight_decay=decoupled,
+        maximize=maximize,
+        grad_scale=grad_scale,
+    )
+
+
+def adamw_step_(
+    params: TensorOrList,
+    grads: TensorOrList,
+    exp_avg: TensorOrList,
+    exp_avg_sq: TensorOrList,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    maximize: bool = False,
+    grad_scale: float | None = None,
+    param_copy: TensorOrList | None = None,
+) -> None:
+    """One ``torch.optim.AdamW`` step, in place, fused into a single pass over memory.
+
+    ``step`` is the 1-based number of this update (torch's ``state["step"]`` after its
+    increment). ``grad_scale`` multiplies every gradient first (averaging, a clipping
+    coefficient). ``param_copy`` (bfloat16/float16 tensors matching ``params``) receives the
+    updated parameters in the same pass.
+    """
+    _adam(
+        True,
+        params,
+        grads,
+        exp_avg,
+        exp_avg_sq,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        step,
+        maximize,
+        grad_scale,
+        param_copy,
+    )
+
+
+def adam_step_(
+    params: TensorOrList,
+    grads: TensorOrList,
+    exp_avg: TensorOrList,
+    exp_avg_sq: TensorOrList,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    maximize: bool = False,
+    grad_scale: float | None = None,
+    param_copy: TensorOrList | None = None,
+) -> None:
+    """One ``torch.optim.Adam`` step (L2 weight decay added to the gradient), in place.
+
+    Same arguments as :func:`adamw_step_`.
+    """
+    _adam(
+        False,
+        params,
+        grads,
+        exp_avg,
+        exp_avg_sq,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        step,
+        maximize,
+        grad_scale,
+        param_copy,
+    )
+
+
+def sgd_step_(
+    params: TensorOrList,
+    grads: TensorOrList,
+    momentum_buffer: TensorOrList | None,
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    weight_decay: float,
+    maximize: bool = False,
+    grad_scale: float | None = None,
+    first_step: bool = False,
+    param_copy: TensorOrList | None = None,
+) -> None:
+    """One ``torch.optim.SGD`` step, in place.
+
+    ``momentum_buffer`` is None (or empty) when ``momentum`` is 0. ``first_step=True`` means the
+    buffer holds no history yet: it is set to the gradient, as torch does when its
+    ``momentum_buffer`` is None, instead of being blended. ``grad_scale`` and ``param_copy`` as in
+    :func:`adamw_step_`.
+    """
+    _sgd_step(
+        _as_list(params),
+        _as_list(grads),
+        _as_list(momentum_buffer),
+        _as_list(param_copy),
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        nesterov=nesterov,
+        weight_decay=weight_decay,
+        maximize=maximize,
+        first_step=first_step,
+        grad_scale=grad_scale,
+    )
+
+
+# Fake implementations: every op mutates its arguments in place and returns nothing, so under
+# FakeTensor there is no output to describe.
+@torch.library.register_fake("leanddp::flatten_into")
+def _flatten_into_fake(tensors, out, scale=None):
+    return None
+
+
+@torch.library.register_fake("leanddp::unflatten_from")
+def _unflatten_from_fake(flat, tensors, scale=None):
+    return None
+
+
+@torch.library.register_fake("leanddp::adam_step_")
+def _adam_step_fake(params, grads, exp_avg, exp_avg_sq, param_copy, **kwargs):
+    return None
+
+
+@torch.library.register_fake("leanddp::sgd_step_")
+def _sgd_step_fake(params, grads, momentum_buffer, param_copy, **kwargs):
+    return None
