@@ -7,9 +7,10 @@ import os
 import random
 import zlib
 
-import leanddp  # fails loudly here, with how to fix it, if the extension is not built
 import pytest
 import torch
+
+import leanddp  # fails loudly here, with how to fix it, if the extension is not built
 
 BASE_SEED = int(os.environ.get("LEANDDP_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
 

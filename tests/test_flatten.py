@@ -6,8 +6,9 @@ import random
 
 import pytest
 import torch
-from leanddp import ops
 from torch.library import opcheck
+
+from leanddp import ops
 
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 ALL_DTYPES = FLOAT_DTYPES + [

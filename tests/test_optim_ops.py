@@ -6,8 +6,9 @@ import random
 
 import pytest
 import torch
-from leanddp import ops
 from torch.library import opcheck
+
+from leanddp import ops
 
 STEPS = 5
 RTOL, ATOL = 1e-5, 1e-6  # float rounding (torch itself fuses some steps with FMA on CPU)
