@@ -1,8 +1,9 @@
 // CPU kernels of flatten_into and unflatten_from.
 //
 // Contiguous tensors are cut into chunks (chunks.h) and copied by at::parallel_for workers with
-// memcpy, or with the vectorized scale loop when a scale is given; the rare non-contiguous tensor
-// is moved by torch's strided copy_ and processed through a contiguous stand-in (flat_common.h).
+// memcpy (streaming stores for large lists), or with the vectorized scale loop when a scale is
+// given; the rare non-contiguous tensor is moved by torch's strided copy_ and processed through a
+// contiguous stand-in (flat_common.h).
 #include "checks.h"
 #include "chunks.h"
 #include "cpu_kernels.h"
@@ -14,11 +15,42 @@
 
 #include <cstring>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define LEANDDP_STREAM_STORES 1
+#endif
+
 namespace leanddp::ops {
 namespace {
 
 constexpr int64_t kChunkBytes = 256 << 10;   // one worker's unit of copying
 constexpr int64_t kSerialBytes = 256 << 10;  // below this total, threads cost more than they save
+constexpr int64_t kStreamBytes = 4 << 20;    // from this total on, copies bypass the caches
+
+// memcpy with streaming (non-temporal) stores: a large destination would only evict useful
+// cache lines, and streaming skips the read-for-ownership of every destination line, so the
+// copy moves 2 bytes per byte instead of 3.
+void stream_copy(const char* src, char* dst, int64_t n) {
+#ifdef LEANDDP_STREAM_STORES
+  const auto head = std::min<int64_t>(n, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
+  std::memcpy(dst, src, head);
+  int64_t i = head;
+  for (; i + 64 <= n; i += 64) {
+    const auto* s = reinterpret_cast<const __m128i*>(src + i);
+    auto* d = reinterpret_cast<__m128i*>(dst + i);
+    const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1);
+    const __m128i c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
+    _mm_stream_si128(d, a);
+    _mm_stream_si128(d + 1, b);
+    _mm_stream_si128(d + 2, c);
+    _mm_stream_si128(d + 3, e);
+  }
+  std::memcpy(dst + i, src + i, n - i);
+  _mm_sfence();  // streaming stores are weakly ordered: publish them before the join
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
 
 // dst[i] = src[i] * scale for n elements of `dtype` (src may equal dst).
 void scale_bytes(at::ScalarType dtype, const void* src, void* dst, int64_t n, double scale) {
@@ -68,6 +100,7 @@ void flat_copy_cpu(const char* op, at::TensorList tensors, const at::Tensor& fla
     total_bytes += t.numel() * itemsize;
   }
 
+  const bool streaming = total_bytes >= kStreamBytes;
   const int64_t chunk_elems = std::max<int64_t>(1, kChunkBytes / itemsize);
   const auto chunks = plan_chunks(numels, chunk_elems);
   auto body = [&](int64_t first, int64_t last) {
@@ -81,6 +114,8 @@ void flat_copy_cpu(const char* op, at::TensorList tensors, const at::Tensor& fla
       const char* src = to_flat ? t_ptr : f_ptr;
       if (scale) {
         scale_bytes(dtype, src, dst, len, *scale);
+      } else if (streaming) {
+        stream_copy(src, dst, len * itemsize);
       } else {
         std::memcpy(dst, src, len * itemsize);
       }
