@@ -232,7 +232,7 @@ def test_flatten_bad_input(device):
     ints = torch.arange(7, device=device)
     _assert_rejected(
         TypeError,
-        r"scale needs a floating-point dtype",
+        r"scale needs dtype Float, Double, Half or BFloat16, got Long",
         lambda: ops.flatten_into([ints], ints.clone(), scale=2.0),
         ints,
     )
@@ -256,6 +256,16 @@ def test_flatten_bad_input(device):
         )
 
 
+def test_scale_rejected_for_float8_before_writing(device):
+    """Float8 is floating point but has no scaled kernel: rejected by the checks, out untouched
+    (also for a >6-dim tensor, which would otherwise be staged into out first)."""
+    t = torch.randn([2] * 9, device=device).to(torch.float8_e4m3fn).permute(*reversed(range(9)))
+    out = torch.zeros(512, device=device).to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="scale needs dtype Float, Double, Half or BFloat16"):
+        ops.flatten_into([t], out, scale=2.0)
+    assert (out.float() == 0).all()
+
+
 def test_unflatten_bad_input(device):
     flat = torch.randn(10, device=device)
     a, b = torch.zeros(4, device=device), torch.zeros(3, device=device)
@@ -271,6 +281,12 @@ def test_unflatten_bad_input(device):
         r"tensors\[0\] has dtype Half",
         lambda: ops.unflatten_from(flat, [a.half(), b]),
         b,
+    )
+    _assert_rejected(
+        ValueError,
+        r"(tensors\[0\] and tensors\[1\]|tensors\[1\] and tensors\[0\]) share memory",
+        lambda: ops.unflatten_from(flat, [a, a[1:]]),
+        a,
     )
     expanded = torch.zeros(1, device=device).expand(4)
     _assert_rejected(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -223,6 +224,12 @@ def _assert_rejected(exc_type, match, fn, lists):
             assert torch.equal(t, o), "a rejected call wrote to its arguments"
 
 
+def _shared(a: str, b: str) -> str:
+    """Message for two tensors sharing memory, in either order."""
+    a, b = re.escape(a), re.escape(b)
+    return rf"({a} and {b}|{b} and {a}) share memory"
+
+
 def test_adam_bad_input(device):
     p, g, m, v = _lists(device)
     kw = _adam_kwargs(ADAM_CONFIGS[0], 1)
@@ -265,9 +272,16 @@ def test_adam_bad_input(device):
     )
     _assert_rejected(
         ValueError,
-        r"params\[2\] and exp_avg\[2\] share memory",
+        _shared("params[2]", "exp_avg[2]"),
         run(exp_avg=[m[0], m[1], p[2]]),
         all_,
+    )
+    # Across indices too: the same parameter twice, or a gradient that is another parameter.
+    _assert_rejected(
+        ValueError, _shared("params[0]", "params[2]"), run(params=[p[0], p[1], p[0]]), all_
+    )
+    _assert_rejected(
+        ValueError, _shared("params[1]", "grads[0]"), run(grads=[p[1], g[1], g[2]]), all_
     )
     for name, value, match in [
         ("lr", -1.0, r"lr must be finite and >= 0"),
@@ -354,3 +368,27 @@ def test_opcheck(device):
         grad_scale=None,
     )
     opcheck(torch.ops.leanddp.sgd_step_.default, (p, g, m, copies), skw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_is_bit_identical_to_cpu(grad_dtype):
+    """Both backends share the arithmetic and round alike (no FMA contraction on either)."""
+    shapes = _shapes(8)
+    cpu = [[torch.randn(s) for s in shapes] for _ in range(4)]  # params, m, v, momentum
+    gpu = [[t.cuda() for t in lst] for lst in cpu]
+    copies = [
+        [torch.empty(s, dtype=torch.bfloat16, device=d) for s in shapes] for d in ("cpu", "cuda")
+    ]
+    for step in range(1, STEPS + 1):
+        grads = [torch.randn(s).to(grad_dtype) for s in shapes]
+        for (p, m, v, b), g, c in zip(
+            (cpu, gpu), (grads, [t.cuda() for t in grads]), copies, strict=True
+        ):
+            ops.adamw_step_(
+                p, g, m, v, param_copy=c, grad_scale=0.5, **_adam_kwargs(ADAM_CONFIGS[0], step)
+            )
+            ops.sgd_step_(p, g, b, first_step=step == 1, **SGD_CONFIGS[3])
+    for lst_cpu, lst_gpu in zip(cpu + [copies[0]], gpu + [copies[1]], strict=True):
+        for a, b in zip(lst_cpu, lst_gpu, strict=True):
+            assert torch.equal(a, b.cpu())

@@ -5,7 +5,7 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
-#include <array>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -28,7 +28,38 @@ Span span_of(const at::Tensor& t) {
 
 bool overlaps(Span a, Span b) { return a.lo < b.hi && b.lo < a.hi; }
 
-constexpr size_t kMaxStates = 2;  // exp_avg and exp_avg_sq
+// One tensor an op touches: where, whether it is written, and its name for messages.
+struct Access {
+  Span span;
+  bool written;
+  const char* name;
+  size_t index;
+};
+
+// Throws if a written tensor shares memory with any other tensor of the call (readers may share
+// memory with each other). One sweep over the accesses sorted by address: an access conflicts
+// when it starts below the furthest end reached by an earlier access it must not overlap.
+void check_no_shared_writes(const char* op, std::vector<Access>& accesses) {
+  std::sort(accesses.begin(), accesses.end(),
+            [](const Access& a, const Access& b) { return a.span.lo < b.span.lo; });
+  const Access* reach_any = nullptr;      // earlier access reaching furthest
+  const Access* reach_written = nullptr;  // earlier written access reaching furthest
+  for (const auto& a : accesses) {
+    if (a.span.lo == a.span.hi) continue;  // empty tensor
+    const Access* other = nullptr;
+    if (a.written && reach_any != nullptr && a.span.lo < reach_any->span.hi) {
+      other = reach_any;
+    } else if (reach_written != nullptr && a.span.lo < reach_written->span.hi) {
+      other = reach_written;
+    }
+    TORCH_CHECK_VALUE(other == nullptr, op, ": ", other->name, "[", other->index, "] and ", a.name,
+                      "[", a.index, "] share memory");
+    if (reach_any == nullptr || a.span.hi > reach_any->span.hi) reach_any = &a;
+    if (a.written && (reach_written == nullptr || a.span.hi > reach_written->span.hi)) {
+      reach_written = &a;
+    }
+  }
+}
 
 bool is_grad_dtype(at::ScalarType s) {
   return s == at::kFloat || s == at::kBFloat16 || s == at::kHalf;
@@ -61,13 +92,23 @@ std::vector<int64_t> check_flat_args(const char* op, at::TensorList tensors, con
   TORCH_CHECK_VALUE(offsets.back() <= flat.numel(), op, ": ", flat_name, " has ", flat.numel(),
                     " elements but the tensors hold ", offsets.back());
   if (scale.has_value()) {
-    TORCH_CHECK_TYPE(at::isFloatingType(flat.scalar_type()), op,
-                     ": scale needs a floating-point dtype, got ", flat.scalar_type());
+    const auto dt = flat.scalar_type();
+    TORCH_CHECK_TYPE(
+        dt == at::kFloat || dt == at::kDouble || dt == at::kHalf || dt == at::kBFloat16, op,
+        ": scale needs dtype Float, Double, Half or BFloat16, got ", dt);
     TORCH_CHECK_VALUE(std::isfinite(*scale), op, ": scale must be finite, got ", *scale);
   }
   const auto* base = static_cast<const char*>(flat.const_data_ptr());
   const Span touched{reinterpret_cast<uintptr_t>(base),
                      reinterpret_cast<uintptr_t>(base + offsets.back() * flat.element_size())};
+  if (tensors_written) {
+    std::vector<Access> accesses;
+    accesses.reserve(tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      accesses.push_back({span_of(tensors[i]), true, "tensors", i});
+    }
+    check_no_shared_writes(op, accesses);
+  }
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     if (t.numel() == 0 || !overlaps(span_of(t), touched)) continue;
@@ -82,7 +123,6 @@ std::vector<int64_t> check_flat_args(const char* op, at::TensorList tensors, con
 void check_optim_lists(const char* op, at::TensorList params, at::TensorList grads,
                        std::initializer_list<NamedList> states, at::TensorList param_copy) {
   const size_t n = params.size();
-  TORCH_CHECK(states.size() <= kMaxStates, op, ": at most ", kMaxStates, " state lists");
   auto check_len = [&](const char* name, at::TensorList list) {
     TORCH_CHECK_VALUE(list.size() == n, op, ": ", name, " has ", list.size(),
                       " tensors but params has ", n);
@@ -116,33 +156,29 @@ void check_optim_lists(const char* op, at::TensorList params, at::TensorList gra
     TORCH_CHECK_TYPE(grads[i].scalar_type() == grad_dtype, op, ": grads[", i, "] has dtype ",
                      grads[i].scalar_type(), " but grads[0] has ", grad_dtype,
                      "; all grads must share one dtype");
-    // params, grads, up to kMaxStates state lists, param_copy: pairwise disjoint.
-    std::array<Span, kMaxStates + 3> spans{span_of(params[i]), span_of(grads[i])};
-    std::array<const char*, kMaxStates + 3> names{"params", "grads"};
-    size_t count = 2;
     for (const auto& s : states) {
       const auto& t = s.tensors[i];
       check_like_param(s.name, i, t);
       TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op, ": ", s.name, "[", i, "] has dtype ",
                        t.scalar_type(), "; optimizer state is Float");
-      spans[count] = span_of(t);
-      names[count++] = s.name;
     }
     if (!param_copy.empty()) {
       check_like_param("param_copy", i, param_copy[i]);
       TORCH_CHECK_TYPE(param_copy[i].scalar_type() == copy_dtype, op, ": param_copy[", i,
                        "] has dtype ", param_copy[i].scalar_type(), " but param_copy[0] has ",
                        copy_dtype);
-      spans[count] = span_of(param_copy[i]);
-      names[count++] = "param_copy";
-    }
-    for (size_t a = 0; a < count; ++a) {
-      for (size_t b = a + 1; b < count; ++b) {
-        TORCH_CHECK_VALUE(!overlaps(spans[a], spans[b]), op, ": ", names[a], "[", i, "] and ",
-                          names[b], "[", i, "] share memory");
-      }
     }
   }
+  // Every written tensor (params, states, param_copy) must be disjoint from every other tensor.
+  std::vector<Access> accesses;
+  accesses.reserve(n * (3 + states.size()));
+  for (size_t i = 0; i < n; ++i) {
+    accesses.push_back({span_of(params[i]), true, "params", i});
+    accesses.push_back({span_of(grads[i]), false, "grads", i});
+    for (const auto& s : states) accesses.push_back({span_of(s.tensors[i]), true, s.name, i});
+    if (!param_copy.empty()) accesses.push_back({span_of(param_copy[i]), true, "param_copy", i});
+  }
+  check_no_shared_writes(op, accesses);
 }
 
 namespace {

@@ -3,7 +3,9 @@
 // Hyper-parameters are reduced once per call, in double, to the float constants the update
 // needs, rounded exactly as torch's foreach implementations round their Python-float scalars;
 // the element updates then apply the same operations in the same order as torch.optim.Adam(W)
-// and torch.optim.SGD, so results agree with torch to float rounding.
+// and torch.optim.SGD, so results agree with torch to float rounding. Both backends compile this
+// without FMA contraction (-ffp-contract=off, nvcc --fmad=false) and with IEEE sqrt and division,
+// so the CPU and CUDA kernels give bit-identical results.
 #pragma once
 
 #include <c10/macros/Macros.h>

@@ -61,6 +61,13 @@ class LaunchMeta {
   at::Tensor device_;
 };
 
+// Called first by every CUDA op: a captured graph would replay the metadata copy from a staging
+// buffer that later calls reuse, so capture is refused before the op does anything.
+inline void refuse_graph_capture(const char* op) {
+  TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
+              op, " cannot be captured in a CUDA graph");
+}
+
 __device__ __forceinline__ bool aligned_to(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }

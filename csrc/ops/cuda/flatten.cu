@@ -1,10 +1,10 @@
 // CUDA kernels of flatten_into and unflatten_from: the whole list in one launch.
 //
 // Every tensor is cut into chunks (chunks.h) of kChunkBytes; block b copies chunk b. Contiguous
-// tensors move in 16-byte accesses whenever source and destination share their alignment
-// within 16 bytes (always true for buckets laid out on 16-byte boundaries), with a scalar head
-// and tail; non-contiguous tensors are indexed through their collapsed sizes and strides (up to
-// kMaxDims of them; beyond, through a contiguous stand-in, flat_common.h). Without
+// tensors are stored in 16-byte accesses, and loaded in them too when source and destination
+// share their alignment within 16 bytes (always, for slices that start on 16-byte boundaries),
+// with a scalar head and tail; non-contiguous tensors are indexed through their collapsed sizes and
+// strides (up to kMaxDims of them; beyond, through a contiguous stand-in, flat_common.h). Without
 // a scale the copy only depends on the element size, so any dtype works; with one, the element
 // is multiplied in its math type (float for half/bfloat16).
 #include "../checks.h"
@@ -76,22 +76,30 @@ struct Scale {
   }
 };
 
-// dst[i] = op(src[i]) for i < n by the threads of one block; src == dst is allowed.
+// dst[i] = op(src[i]) for i < n by the threads of one block; src == dst is allowed. Stores are
+// 16-byte vectors from dst's first 16-byte boundary on; loads are too when src has the same
+// alignment within 16 bytes, else element-wise (coalesced, so still full memory transactions).
 template <typename T, typename Op>
 __device__ void copy_contiguous(const T* src, T* dst, int64_t n, const Op& op) {
   constexpr int kVec = sizeof(T) >= 16 ? 1 : 16 / static_cast<int>(sizeof(T));
-  const auto s_addr = reinterpret_cast<uintptr_t>(src);
   int64_t done = 0;
-  if (kVec > 1 && s_addr % 16 == reinterpret_cast<uintptr_t>(dst) % 16) {
-    const auto to_boundary = static_cast<int64_t>(((16 - s_addr % 16) % 16) / sizeof(T));
+  if constexpr (kVec > 1) {
+    const auto to_boundary =
+        static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16 / sizeof(T));
     const int64_t head = to_boundary < n ? to_boundary : n;
     for (int64_t i = threadIdx.x; i < head; i += blockDim.x) dst[i] = op(src[i]);
+    const T* s = src + head;
+    const bool vector_loads = aligned_to(s, 16);
     const int64_t nvec = (n - head) / kVec;
-    const auto* vsrc = reinterpret_cast<const uint4*>(src + head);
     auto* vdst = reinterpret_cast<uint4*>(dst + head);
     for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
       alignas(16) T vals[kVec];
-      *reinterpret_cast<uint4*>(vals) = vsrc[v];
+      if (vector_loads) {
+        *reinterpret_cast<uint4*>(vals) = reinterpret_cast<const uint4*>(s)[v];
+      } else {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) vals[k] = s[v * kVec + k];
+      }
 #pragma unroll
       for (int k = 0; k < kVec; ++k) vals[k] = op(vals[k]);
       vdst[v] = *reinterpret_cast<const uint4*>(vals);
@@ -171,6 +179,7 @@ void flat_copy_cuda(const char* op, at::TensorList tensors, const at::Tensor& fl
                     std::optional<double> scale, bool to_flat) {
   const auto offsets =
       check_flat_args(op, tensors, flat, to_flat ? "out" : "flat", !to_flat, scale);
+  refuse_graph_capture(op);
   const c10::cuda::CUDAGuard guard(flat.device());
   std::vector<TensorDesc> descs(tensors.size());
   std::vector<StridedDesc> strided;

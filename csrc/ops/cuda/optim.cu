@@ -151,6 +151,7 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     bool decoupled_weight_decay, bool maximize, std::optional<double> grad_scale) {
   check_adam_args(params, grads, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps,
                   weight_decay, step, grad_scale);
+  refuse_graph_capture("leanddp::adam_step_");
   const AdamRule rule{make_adam_consts(lr, beta1, beta2, eps, weight_decay, step,
                                        decoupled_weight_decay, maximize, grad_scale)};
   launch_optim(rule, params, grads, exp_avg, exp_avg_sq, param_copy);
@@ -162,6 +163,7 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
                    std::optional<double> grad_scale) {
   check_sgd_args(params, grads, momentum_buffer, param_copy, lr, momentum, dampening, nesterov,
                  weight_decay, grad_scale);
+  refuse_graph_capture("leanddp::sgd_step_");
   const auto consts = make_sgd_consts(lr, momentum, dampening, nesterov, weight_decay, maximize,
                                       first_step, grad_scale);
   if (momentum_buffer.empty()) {
