@@ -3,6 +3,10 @@
 
 #include <ATen/OpMathType.h>
 
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
 namespace leanddp::ops {
 
 namespace isa_baseline {
@@ -19,8 +23,12 @@ namespace isa_avx2 {
 }  // namespace isa_avx2
 
 namespace isa_avx512 {
+#if defined(__clang__)
+#define LEANDDP_ISA_ATTR __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#else  // GCC would otherwise keep 256-bit vectors for AVX-512 code
 #define LEANDDP_ISA_ATTR \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c,prefer-vector-width=512")))
+#endif
 #include "cpu_loops.h"
 #undef LEANDDP_ISA_ATTR
 }  // namespace isa_avx512
@@ -28,19 +36,25 @@ namespace isa_avx512 {
 
 namespace {
 
+// The widest instruction set the CPU supports; or the one LEANDDP_CPU_ISA names (baseline, avx2,
+// avx512), if the CPU supports it: for tests, and for ruling out a vectorization issue.
 CpuLoops select_loops() {
+  std::vector<CpuLoops> supported{isa_baseline::make_loops("baseline")};  // narrowest first
 #if defined(LEANDDP_X86_DISPATCH) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (avx2) supported.push_back(isa_avx2::make_loops("avx2"));
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl")) {
-    return isa_avx512::make_loops("avx512");
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
-    return isa_avx2::make_loops("avx2");
+    supported.push_back(isa_avx512::make_loops("avx512"));
   }
 #endif
-  return isa_baseline::make_loops("baseline");
+  const char* want = std::getenv("LEANDDP_CPU_ISA");
+  for (const auto& loops : supported) {
+    if (want != nullptr && std::strcmp(want, loops.name) == 0) return loops;
+  }
+  return supported.back();
 }
 
 }  // namespace
