@@ -1,11 +1,11 @@
 // CPU kernels of flatten_into and unflatten_from.
 //
-// Contiguous tensors are cut into chunks (chunks.h) and copied by at::parallel_for workers with
-// memcpy (streaming stores for large lists), or with the vectorized scale loop when a scale is
-// given; the rare non-contiguous tensor is moved by torch's strided copy_ and processed through a
-// contiguous stand-in (flat_common.h).
+// at::parallel_for splits the concatenation of the contiguous tensors into equal element ranges
+// (ConcatRange in chunks.h), copied with memcpy (streaming stores for large lists), or with the
+// vectorized scale loop when a scale is given; the rare non-contiguous tensor is moved by torch's
+// strided copy_ and processed through a contiguous stand-in (flat_common.h).
 #include "checks.h"
-#include "chunks.h"
+#include "chunks.h"  // ConcatRange
 #include "cpu_kernels.h"
 #include "flat_common.h"
 
@@ -23,9 +23,9 @@
 namespace leanddp::ops {
 namespace {
 
-constexpr int64_t kChunkBytes = 256 << 10;   // one worker's unit of copying
-constexpr int64_t kSerialBytes = 256 << 10;  // below this total, threads cost more than they save
-constexpr int64_t kStreamBytes = 4 << 20;    // from this total on, copies bypass the caches
+// Fewer bytes than this per thread cost more in threading than they save.
+constexpr int64_t kGrainBytes = 256 << 10;
+constexpr int64_t kStreamBytes = 4 << 20;  // from this total on, copies bypass the caches
 
 // memcpy with streaming (non-temporal) stores: a large destination would only evict useful
 // cache lines, and streaming skips the read-for-ownership of every destination line, so the
@@ -81,12 +81,11 @@ void flat_copy_cpu(const char* op, at::TensorList tensors, const at::Tensor& fla
   const int64_t itemsize = flat.element_size();
   char* flat_base = raw_data(flat, /*written=*/to_flat);
 
-  // Per tensor: the contiguous memory the chunked loop processes on its side, and how many
+  // Per tensor: the contiguous memory the parallel loop processes on its side, and how many
   // elements (0 = nothing to do: empty, already in place, or fully handled by its stand-in).
   std::vector<char*> data(tensors.size());
   std::vector<int64_t> numels(tensors.size(), 0);
   PendingCopies pending;  // also keeps unflatten's staging tensors alive through the loop
-  int64_t total_bytes = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     at::Tensor t = tensors[i];
     if (t.numel() == 0) continue;
@@ -97,19 +96,14 @@ void flat_copy_cpu(const char* op, at::TensorList tensors, const at::Tensor& fla
     if (!scale && is_flat_slice(t, flat, offsets[i])) continue;
     data[i] = raw_data(t, /*written=*/!to_flat);
     numels[i] = t.numel();
-    total_bytes += t.numel() * itemsize;
   }
 
-  const bool streaming = total_bytes >= kStreamBytes;
-  const int64_t chunk_elems = std::max<int64_t>(1, kChunkBytes / itemsize);
-  const auto chunks = plan_chunks(numels, chunk_elems);
-  auto body = [&](int64_t first, int64_t last) {
-    for (int64_t k = first; k < last; ++k) {
-      const Chunk c = chunks[k];
-      const int64_t begin = chunk_begin(c, chunk_elems);
-      const int64_t len = chunk_len(c, chunk_elems, numels[c.tensor]);
-      char* t_ptr = data[c.tensor] + begin * itemsize;
-      char* f_ptr = flat_base + (offsets[c.tensor] + begin) * itemsize;
+  const ConcatRange range(numels);
+  const bool streaming = range.total() * itemsize >= kStreamBytes;
+  at::parallel_for(0, range.total(), kGrainBytes / itemsize, [&](int64_t first, int64_t last) {
+    range.for_each_piece(first, last, [&](int32_t t, int64_t begin, int64_t len) {
+      char* t_ptr = data[t] + begin * itemsize;
+      char* f_ptr = flat_base + (offsets[t] + begin) * itemsize;
       char* dst = to_flat ? f_ptr : t_ptr;
       const char* src = to_flat ? t_ptr : f_ptr;
       if (scale) {
@@ -119,13 +113,8 @@ void flat_copy_cpu(const char* op, at::TensorList tensors, const at::Tensor& fla
       } else {
         std::memcpy(dst, src, len * itemsize);
       }
-    }
-  };
-  if (total_bytes < kSerialBytes) {
-    body(0, static_cast<int64_t>(chunks.size()));
-  } else {
-    at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, body);
-  }
+    });
+  });
   for (auto& [dst, staging] : pending) dst.copy_(staging);
 }
 

@@ -6,7 +6,7 @@
 // vectorized update runs (cpu_kernels.h), and the low-precision parameter copy is written from the
 // block while it is still in cache. Every tensor is read and written once.
 #include "checks.h"
-#include "chunks.h"
+#include "chunks.h"  // ConcatRange
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -16,8 +16,14 @@ namespace leanddp::ops {
 namespace {
 
 constexpr int64_t kBlockElems = 1024;  // elements per inner pass: a few KiB per stream
-constexpr int64_t kGrainElems =
-    32 << 10;  // below this many elements a thread costs more than it saves
+// Fewer elements than this per thread cost more in threading than they save.
+constexpr int64_t kGrainElems = 32 << 10;
+
+std::vector<float*> float_ptrs(at::TensorList list) {
+  std::vector<float*> out(list.size());
+  for (size_t i = 0; i < list.size(); ++i) out[i] = list[i].data_ptr<float>();
+  return out;
+}
 
 // Runs step(tensor, first_element, n, p, g) for every block of every tensor, in parallel, with
 // `g` always float, then refreshes param_copy from the updated block.
@@ -31,12 +37,11 @@ void for_each_block(at::TensorList params, at::TensorList grads, at::TensorList 
   const bool has_copy = !param_copy.empty();
   const bool copy_bf16 = has_copy && param_copy[0].scalar_type() == at::kBFloat16;
 
-  std::vector<float*> p_ptr(n);
+  const auto p_ptr = float_ptrs(params);
   std::vector<const void*> g_ptr(n);
   std::vector<void*> copy_ptr(n, nullptr);
   std::vector<int64_t> numels(n);
   for (size_t i = 0; i < n; ++i) {
-    p_ptr[i] = params[i].data_ptr<float>();
     g_ptr[i] = grads[i].const_data_ptr();
     if (has_copy) copy_ptr[i] = param_copy[i].data_ptr();
     numels[i] = params[i].numel();
@@ -71,12 +76,6 @@ void for_each_block(at::TensorList params, at::TensorList grads, at::TensorList 
     range.for_each_piece(
         first, last, [&](int32_t t, int64_t begin, int64_t len) { piece(t, begin, len, gbuf); });
   });
-}
-
-std::vector<float*> float_ptrs(at::TensorList list) {
-  std::vector<float*> out(list.size());
-  for (size_t i = 0; i < list.size(); ++i) out[i] = list[i].data_ptr<float>();
-  return out;
 }
 
 void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
