@@ -13,6 +13,7 @@ bfloat16 or float16 (upcast inside the kernel).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -55,40 +56,6 @@ def unflatten_from(flat: Tensor, tensors: Sequence[Tensor], scale: float | None 
     _unflatten_from(flat, tensors, scale)
 
 
-def _adam(
-    decoupled: bool,
-    params,
-    grads,
-    exp_avg,
-    exp_avg_sq,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-    maximize,
-    grad_scale,
-    param_copy,
-) -> None:
-    _adam_step(
-        _as_list(params),
-        _as_list(grads),
-        _as_list(exp_avg),
-        _as_list(exp_avg_sq),
-        _as_list(param_copy),
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        step=step,
-        decoupled_weight_decay=decoupled,
-        maximize=maximize,
-        grad_scale=grad_scale,
-    )
-
-
 def adamw_step_(
     params: TensorOrList,
     grads: TensorOrList,
@@ -104,29 +71,31 @@ def adamw_step_(
     maximize: bool = False,
     grad_scale: float | None = None,
     param_copy: TensorOrList | None = None,
+    decoupled_weight_decay: bool = True,
 ) -> None:
     """One ``torch.optim.AdamW`` step, in place, fused into a single pass over memory.
 
     ``step`` is the 1-based number of this update (torch's ``state["step"]`` after its
     increment). ``grad_scale`` multiplies every gradient first (averaging, a clipping
     coefficient). ``param_copy`` (bfloat16/float16 tensors matching ``params``) receives the
-    updated parameters in the same pass.
+    updated parameters in the same pass. ``decoupled_weight_decay=False`` gives Adam's L2 weight
+    decay instead (see :func:`adam_step_`).
     """
-    _adam(
-        True,
-        params,
-        grads,
-        exp_avg,
-        exp_avg_sq,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        step,
-        maximize,
-        grad_scale,
-        param_copy,
+    _adam_step(
+        _as_list(params),
+        _as_list(grads),
+        _as_list(exp_avg),
+        _as_list(exp_avg_sq),
+        _as_list(param_copy),
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        step=step,
+        decoupled_weight_decay=decoupled_weight_decay,
+        maximize=maximize,
+        grad_scale=grad_scale,
     )
 
 
@@ -135,37 +104,13 @@ def adam_step_(
     grads: TensorOrList,
     exp_avg: TensorOrList,
     exp_avg_sq: TensorOrList,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-    maximize: bool = False,
-    grad_scale: float | None = None,
-    param_copy: TensorOrList | None = None,
+    **hyper: Any,
 ) -> None:
     """One ``torch.optim.Adam`` step (L2 weight decay added to the gradient), in place.
 
-    Same arguments as :func:`adamw_step_`.
+    :func:`adamw_step_` with ``decoupled_weight_decay=False``; the same keyword arguments.
     """
-    _adam(
-        False,
-        params,
-        grads,
-        exp_avg,
-        exp_avg_sq,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        step,
-        maximize,
-        grad_scale,
-        param_copy,
-    )
+    adamw_step_(params, grads, exp_avg, exp_avg_sq, decoupled_weight_decay=False, **hyper)
 
 
 def sgd_step_(
