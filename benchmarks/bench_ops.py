@@ -122,7 +122,8 @@ def flatten_case(name: str, ts: list[torch.Tensor]) -> Case:
 def unflatten_case(params: list[torch.Tensor]) -> Case:
     flat = torch.cat([p.view(-1) for p in params])
     targets = [torch.empty_like(p) for p in params]
-    views = [v.view(p.shape) for v, p in zip(flat.split([p.numel() for p in params]), params)]
+    pieces = flat.split([p.numel() for p in params])
+    views = [v.view(p.shape) for v, p in zip(pieces, params, strict=True)]
     return (
         "unflatten gpt2",
         "torch._foreach_copy_",
