@@ -25,13 +25,6 @@ std::vector<int64_t> check_flat_args(const char* op, at::TensorList tensors, con
                                      const char* flat_name, bool tensors_written,
                                      std::optional<double> scale);
 
-// A tensor's first byte. Only tensors the op writes go through data_ptr(): a read-only one
-// (e.g. a lazily cloned, copy-on-write tensor) must not be materialized by reading it.
-inline char* raw_data(const at::Tensor& t, bool written) {
-  return written ? static_cast<char*>(t.data_ptr())
-                 : const_cast<char*>(static_cast<const char*>(t.const_data_ptr()));
-}
-
 // One per-tensor state list of an optimizer op, e.g. {"exp_avg", exp_avg}.
 struct NamedList {
   const char* name;

@@ -8,6 +8,13 @@
 
 namespace leanddp::ops {
 
+// A tensor's first byte. Only tensors the op writes go through data_ptr(): a read-only one
+// (e.g. a lazily cloned, copy-on-write tensor) must not be materialized by reading it.
+inline char* raw_data(const at::Tensor& t, bool written) {
+  return written ? static_cast<char*>(t.data_ptr())
+                 : const_cast<char*>(static_cast<const char*>(t.const_data_ptr()));
+}
+
 // True when `t` is contiguous and starts exactly at element `offset` of `flat` (shares its
 // memory): flattening it is a no-op, scaling it is an in-place multiply.
 bool is_flat_slice(const at::Tensor& t, const at::Tensor& flat, int64_t offset);
