@@ -101,22 +101,20 @@ std::vector<int64_t> check_flat_args(const char* op, at::TensorList tensors, con
   const auto* base = static_cast<const char*>(flat.const_data_ptr());
   const Span touched{reinterpret_cast<uintptr_t>(base),
                      reinterpret_cast<uintptr_t>(base + offsets.back() * flat.element_size())};
-  if (tensors_written) {
-    std::vector<Access> accesses;
-    accesses.reserve(tensors.size());
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      accesses.push_back({span_of(tensors[i]), true, "tensors", i});
-    }
-    check_no_shared_writes(op, accesses);
+  std::vector<Access> accesses;
+  accesses.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    accesses.push_back({span_of(tensors[i]), tensors_written, "tensors", i});
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
-    if (t.numel() == 0 || !overlaps(span_of(t), touched)) continue;
+    if (t.numel() == 0 || !overlaps(accesses[i].span, touched)) continue;
     TORCH_CHECK_VALUE(is_flat_slice(t, flat, offsets[i]), op, ": tensors[", i, "] overlaps ",
                       flat_name, " outside its own slice [", offsets[i], ", ", offsets[i + 1],
                       "); only a tensor that is exactly its slice may share ", flat_name,
                       "'s memory");
   }
+  if (tensors_written) check_no_shared_writes(op, accesses);  // sorts `accesses`
   return offsets;
 }
 

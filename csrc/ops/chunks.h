@@ -1,9 +1,9 @@
-// Work split shared by the CPU and CUDA kernels of every list op.
+// How the list ops split their work.
 //
-// Each tensor of a list is cut into chunks of at most `chunk_elems` elements; a chunk is the unit
-// one CPU thread or one CUDA block works on, so large tensors spread over many workers and small
-// ones cost one unit each. Chunk {tensor, index} covers elements
-// [index * chunk_elems, min((index + 1) * chunk_elems, numel)) of tensor `tensor`.
+// CUDA: each tensor of a list is cut into chunks of at most `chunk_elems` elements, one CUDA block
+// per chunk, so large tensors spread over many blocks and small ones cost one block each. Chunk
+// {tensor, index} covers elements [index * chunk_elems, min((index + 1) * chunk_elems, numel)).
+// CPU: ConcatRange below splits the concatenated elements evenly over threads.
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -46,10 +46,6 @@ C10_HOST_DEVICE inline int64_t chunk_len(Chunk c, int64_t chunk_elems, int64_t n
   const int64_t begin = chunk_begin(c, chunk_elems);
   return numel - begin < chunk_elems ? numel - begin : chunk_elems;
 }
-
-}  // namespace leanddp::ops
-
-namespace leanddp::ops {
 
 // CPU work split: the concatenation of a list's tensors as one element range. A worker given
 // [first, last) of it visits the pieces of every tensor that fall inside, in order, so threads

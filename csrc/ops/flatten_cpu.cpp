@@ -9,7 +9,6 @@
 #include "cpu_kernels.h"
 #include "flat_common.h"
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
