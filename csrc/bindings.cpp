@@ -1,6 +1,8 @@
 // The Python module leanddp._C: the only file that knows pybind11. Importing it registers the
-// custom ops (torch.ops.leanddp.*) through the static registrations of the other files.
+// custom ops (torch.ops.leanddp.*) through the static registrations of the other files, and
+// binds the Reducer (whose methods release the GIL) and the Python side of communication hooks.
 #include "ops/cpu_kernels.h"
+#include "reducer.h"
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -11,8 +13,98 @@
 
 namespace py = pybind11;
 
+namespace {
+
+// A communication hook written in Python: `launch(index, buffer, is_last)` returns an object
+// with `wait()` (a torch.futures.Future) whose value is the reduced tensor, or a list holding it.
+class PyCommHook final : public leanddp::CommHook {
+ public:
+  explicit PyCommHook(py::object launch) : launch_(std::move(launch)) {}
+  ~PyCommHook() override {
+    py::gil_scoped_acquire gil;
+    futures_.clear();
+    launch_ = py::object();
+  }
+  void launch(size_t index, const at::Tensor& buffer, bool is_last) override {
+    py::gil_scoped_acquire gil;
+    py::object future = launch_(index, buffer, is_last);
+    if (futures_.size() <= index) futures_.resize(index + 1);
+    futures_[index] = std::move(future);
+  }
+  at::Tensor wait(size_t index) override {
+    py::gil_scoped_acquire gil;
+    TORCH_CHECK(index < futures_.size() && futures_[index],
+                "leanddp: no communication hook result for bucket ", index);
+    py::object value = futures_[index].attr("wait")();
+    if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
+      value = value[py::int_(0)];
+    }
+    TORCH_CHECK(THPVariable_Check(value.ptr()),
+                "leanddp: a communication hook's future must hold a tensor (or a list with one)");
+    return THPVariable_Unpack(value.ptr());
+  }
+  void reset() override {
+    py::gil_scoped_acquire gil;
+    futures_.clear();
+  }
+
+ private:
+  py::object launch_;
+  std::vector<py::object> futures_;
+};
+
+void bind_reducer(py::module_& m) {
+  using leanddp::Reducer;
+  py::class_<leanddp::MemoryStats>(m, "MemoryStats")
+      .def_readonly("bucket_bytes", &leanddp::MemoryStats::bucket_bytes)
+      .def_readonly("grad_bytes", &leanddp::MemoryStats::grad_bytes)
+      .def_readonly("grads_as_views", &leanddp::MemoryStats::grads_as_views)
+      .def_readonly("grads_outside", &leanddp::MemoryStats::grads_outside)
+      .def_readonly("num_buckets", &leanddp::MemoryStats::num_buckets);
+  py::class_<Reducer>(m, "Reducer")
+      .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
+                       const py::object& process_group, std::vector<int64_t> caps_bytes,
+                       bool gradient_as_bucket_view, bool find_unused_parameters,
+                       bool static_graph) {
+             auto pg = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+             leanddp::ReducerOptions options;
+             options.caps_bytes = std::move(caps_bytes);
+             options.gradient_as_bucket_view = gradient_as_bucket_view;
+             options.find_unused_parameters = find_unused_parameters;
+             options.static_graph = static_graph;
+             py::gil_scoped_release no_gil;
+             return std::make_unique<Reducer>(std::move(params), std::move(names), std::move(pg),
+                                              std::move(options));
+           }),
+           py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("caps_bytes"),
+           py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"),
+           py::arg("static_graph"))
+      .def("prepare_for_forward", &Reducer::prepare_for_forward,
+           py::call_guard<py::gil_scoped_release>())
+      .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("rebuild_buckets", &Reducer::rebuild_buckets, py::call_guard<py::gil_scoped_release>())
+      .def("set_static_graph", &Reducer::set_static_graph,
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "register_comm_hook",
+          [](Reducer& self, py::object launch) {
+            self.register_comm_hook(std::make_unique<PyCommHook>(std::move(launch)));
+          },
+          py::arg("launch"))
+      .def("memory_stats", &Reducer::memory_stats, py::call_guard<py::gil_scoped_release>())
+      .def("bucket_indices", &Reducer::bucket_indices, py::call_guard<py::gil_scoped_release>())
+      .def("bucket_bytes", &Reducer::bucket_bytes, py::call_guard<py::gil_scoped_release>())
+      .def("has_rebuilt_buckets", &Reducer::has_rebuilt_buckets,
+           py::call_guard<py::gil_scoped_release>())
+      .def("num_iterations", &Reducer::num_iterations, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "leanddp's C++/CUDA extension";
+  bind_reducer(m);
   m.def(
       "build_info",
       [] {

@@ -1,0 +1,70 @@
+#include "bucket.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+namespace leanddp {
+
+std::vector<std::vector<int64_t>> assign_buckets(
+    const std::vector<at::Tensor>& params, const std::vector<int64_t>& order,
+    const std::vector<int64_t>& caps_bytes) {
+  TORCH_CHECK(!caps_bytes.empty(), "assign_buckets: no bucket cap given");
+  using Key = std::tuple<int, int, int>;  // device type, device index, dtype
+  struct Open {
+    std::vector<int64_t> indices;
+    int64_t bytes = 0;
+    size_t closed = 0;  // buckets of this key closed so far: picks the next cap
+  };
+  std::map<Key, Open> open;
+  std::vector<Key> first_seen;
+  std::vector<std::vector<int64_t>> buckets;
+  for (int64_t i : order) {
+    const at::Tensor& p = params.at(static_cast<size_t>(i));
+    Key key{static_cast<int>(p.device().type()), p.device().index(),
+            static_cast<int>(p.scalar_type())};
+    auto [it, inserted] = open.try_emplace(key);
+    if (inserted) first_seen.push_back(key);
+    Open& b = it->second;
+    b.indices.push_back(i);
+    b.bytes += p.numel() * static_cast<int64_t>(p.element_size());
+    const int64_t cap = caps_bytes[std::min(b.closed, caps_bytes.size() - 1)];
+    if (b.bytes >= cap) {
+      buckets.push_back(std::move(b.indices));
+      b.indices.clear();
+      b.bytes = 0;
+      ++b.closed;
+    }
+  }
+  for (const Key& key : first_seen) {
+    Open& b = open[key];
+    if (!b.indices.empty()) buckets.push_back(std::move(b.indices));
+  }
+  return buckets;
+}
+
+Bucket make_bucket(const std::vector<at::Tensor>& params, const std::vector<int64_t>& indices) {
+  TORCH_CHECK(!indices.empty(), "make_bucket: empty bucket");
+  const at::Tensor& first = params.at(static_cast<size_t>(indices[0]));
+  Bucket b;
+  b.params = indices;
+  int64_t total = 0;
+  for (int64_t i : indices) {
+    b.offsets.push_back(total);
+    total += params.at(static_cast<size_t>(i)).numel();
+  }
+  b.flat = at::zeros({total}, first.options().requires_grad(false));
+  for (size_t k = 0; k < indices.size(); ++k) {
+    const at::Tensor& p = params[static_cast<size_t>(indices[k])];
+    if (p.is_non_overlapping_and_dense()) {
+      b.views.push_back(b.flat.as_strided(p.sizes(), p.strides(), b.offsets[k]));
+    } else {
+      b.views.push_back(b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
+    }
+  }
+  return b;
+}
+
+}  // namespace leanddp

@@ -1,0 +1,47 @@
+// Bucket layout and storage: which parameter's gradient lives where in which flat buffer.
+//
+// A plain record (Bucket) plus two free functions: assign_buckets() decides the grouping,
+// make_bucket() allocates the storage and the per-parameter views. The Reducer owns the buckets
+// and is the only code that talks to the process group.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace leanddp {
+
+// The first bucket is capped at 1 MiB so the first reduction starts early in backward.
+constexpr int64_t kFirstBucketCapBytes = 1 << 20;
+
+// Groups parameters into buckets. `order` lists parameter indices in the order their gradients
+// are expected to become ready (reverse registration order at first, the observed order after
+// the rebuild); buckets are filled in that order, one open bucket per (device, dtype), and a
+// bucket is closed when it reaches its cap: `caps_bytes[k]` for the k-th bucket closed (the last
+// cap repeats). A parameter larger than the cap gets a bucket of its own. Returns, per bucket,
+// the parameter indices in layout order; buckets are ordered by when they closed, which is the
+// order in which all ranks launch their reductions. Deterministic: the same inputs give the same
+// layout on every rank.
+std::vector<std::vector<int64_t>> assign_buckets(
+    const std::vector<at::Tensor>& params, const std::vector<int64_t>& order,
+    const std::vector<int64_t>& caps_bytes);
+
+// One bucket: a flat buffer holding the gradients of `params`, densely packed in that order
+// (the layout torch's DDP uses, so a comm hook sees the buffer it expects). Fields other than
+// `pending` and `launched` are fixed once the bucket is made.
+struct Bucket {
+  at::Tensor flat;                // 1-D, one dtype and device: the communication buffer
+  std::vector<int64_t> params;    // parameter indices, in layout order
+  std::vector<int64_t> offsets;   // element offset of each parameter's slice in `flat`
+  std::vector<at::Tensor> views;  // `flat` seen with each parameter's sizes and strides
+  size_t pending = 0;             // parameters not yet ready in the current backward
+  bool launched = false;          // its reduction was launched in the current backward
+};
+
+// Allocates a zeroed bucket for `indices` (all of one device and dtype). Views keep each
+// parameter's strides when the parameter is dense and non-overlapping (channels_last stays
+// channels_last), and are contiguous otherwise.
+Bucket make_bucket(const std::vector<at::Tensor>& params, const std::vector<int64_t>& indices);
+
+}  // namespace leanddp

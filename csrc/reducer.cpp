@@ -1,0 +1,481 @@
+#include "reducer.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+
+#include <algorithm>
+#include <optional>
+#include <sstream>
+#include <unordered_set>
+
+namespace leanddp {
+namespace {
+
+using torch::autograd::variable_list;
+
+// The custom ops, called through the dispatcher so CPU and CUDA buckets take the same path.
+void flatten_into(at::TensorList tensors, const at::Tensor& out, std::optional<double> scale) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("leanddp::flatten_into", "")
+                       .typed<void(at::TensorList, const at::Tensor&, std::optional<double>)>();
+  op.call(tensors, out, scale);
+}
+
+void unflatten_from(const at::Tensor& flat, at::TensorList tensors) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("leanddp::unflatten_from", "")
+                       .typed<void(const at::Tensor&, at::TensorList, std::optional<double>)>();
+  op.call(flat, tensors, std::nullopt);
+}
+
+// True when `grad` is exactly `view` (same storage, offset, sizes and strides).
+bool is_view(const at::Tensor& grad, const at::Tensor& view) {
+  return grad.defined() && grad.is_alias_of(view) &&
+         grad.storage_offset() == view.storage_offset() && grad.sizes() == view.sizes() &&
+         grad.strides() == view.strides();
+}
+
+std::string join_names(const std::vector<std::string>& names, const std::vector<int64_t>& idx) {
+  std::ostringstream out;
+  for (size_t k = 0; k < idx.size(); ++k) {
+    if (k == 8) {
+      out << ", ... (" << idx.size() << " in all)";
+      break;
+    }
+    out << (k ? ", " : "") << names[static_cast<size_t>(idx[k])];
+  }
+  return out.str();
+}
+
+}  // namespace
+
+Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+                 c10::intrusive_ptr<c10d::ProcessGroup> process_group, ReducerOptions options)
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      process_group_(std::move(process_group)),
+      options_(std::move(options)) {
+  TORCH_CHECK(!params_.empty(), "Reducer: no parameters");
+  TORCH_CHECK(names_.size() == params_.size(), "Reducer: one name per parameter");
+  TORCH_CHECK(process_group_, "Reducer: no process group");
+  div_factor_ = static_cast<double>(process_group_->getSize());
+  const size_t n = params_.size();
+  grad_was_view_.assign(n, 0);
+  std::vector<int64_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = static_cast<int64_t>(n - 1 - i);
+  build_buckets(assign_buckets(params_, order, options_.caps_bytes));
+  reset_iteration_state();
+  for (size_t i = 0; i < n; ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    TORCH_CHECK(acc, "Reducer: parameter ", names_[i], " has no gradient accumulator");
+    accumulator_index_[acc.get()] = i;
+    hook_keys_.push_back(acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const variable_list& outputs, const variable_list&) {
+          autograd_hook(i);
+          return outputs;
+        })));
+    grad_accumulators_.push_back(std::move(acc));
+  }
+}
+
+Reducer::~Reducer() {
+  for (size_t i = 0; i < grad_accumulators_.size(); ++i) {
+    grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+}
+
+void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment) {
+  buckets_.clear();
+  location_.assign(params_.size(), {0, 0});
+  for (const auto& indices : assignment) {
+    for (size_t s = 0; s < indices.size(); ++s) {
+      location_[static_cast<size_t>(indices[s])] = {buckets_.size(), s};
+    }
+    buckets_.push_back(make_bucket(params_, indices));
+  }
+}
+
+bool Reducer::tracks_unused() const {
+  return options_.static_graph ? iterations_ == 0 : options_.find_unused_parameters;
+}
+
+bool Reducer::should_rebuild() const {
+  return !has_rebuilt_ && (options_.static_graph || !options_.find_unused_parameters);
+}
+
+void Reducer::reset_iteration_state() {
+  const size_t n = params_.size();
+  armed_ = false;
+  unused_marked_ = false;
+  recording_order_ = false;
+  next_bucket_ = 0;
+  ready_.assign(n, 0);
+  sources_.assign(n, at::Tensor());
+  unused_.clear();
+  local_used_.assign(n, 0);
+  works_.assign(buckets_.size(), {});
+  local_used_reduced_ = at::Tensor();
+  local_used_work_.reset();
+  for (Bucket& b : buckets_) {
+    b.pending = b.params.size();
+    b.launched = false;
+  }
+}
+
+void Reducer::abandon_iteration() {
+  for (auto& work : works_) {
+    if (!work) continue;
+    try {
+      work->wait();
+    } catch (...) {  // the iteration is being abandoned because of an error already raised
+    }
+  }
+  if (local_used_work_) {
+    try {
+      local_used_work_->wait();
+    } catch (...) {
+    }
+  }
+  if (comm_hook_) comm_hook_->reset();
+  reset_iteration_state();
+}
+
+std::vector<std::string> Reducer::prepare_for_forward() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> replaced;
+  if (!options_.gradient_as_bucket_view) return replaced;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!grad_was_view_[i]) continue;
+    const at::Tensor& grad = params_[i].grad();
+    if (!grad.defined()) continue;  // zero_grad(set_to_none=True): the view comes back
+    const auto [b, s] = location_[i];
+    if (!is_view(grad, buckets_[b].views[s])) {
+      replaced.push_back(names_[i]);
+      grad_was_view_[i] = 0;
+    }
+  }
+  return replaced;
+}
+
+void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mu_);
+  reset_iteration_state();
+  armed_ = true;
+  recording_order_ = should_rebuild() && ready_order_.empty();
+  if (options_.static_graph) {
+    if (iterations_ > 0) unused_ = static_unused_;
+    return;
+  }
+  if (!options_.find_unused_parameters) return;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const at::Tensor& out : outputs) {
+    if (!out.defined() || !out.requires_grad()) continue;
+    auto fn = torch::autograd::impl::gradient_edge(out).function;
+    if (fn && seen.insert(fn.get()).second) stack.push_back(fn.get());
+  }
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function && seen.insert(edge.function.get()).second) {
+        stack.push_back(edge.function.get());
+      }
+    }
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!seen.count(grad_accumulators_[i].get())) unused_.push_back(static_cast<int64_t>(i));
+  }
+}
+
+void Reducer::autograd_hook(size_t index) {
+  at::NoGradGuard no_grad;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!armed_) {
+    // no_sync() or a backward not prepared by a forward: accumulate locally, in the views.
+    if (!options_.gradient_as_bucket_view) return;
+    at::Tensor& grad = params_[index].mutable_grad();
+    const auto [b, s] = location_[index];
+    const at::Tensor& view = buckets_[b].views[s];
+    if (grad.defined() && !is_view(grad, view)) {
+      view.copy_(grad);
+      grad = view;
+      grad_was_view_[index] = 1;
+    }
+    return;
+  }
+  if (!callback_queued_) {
+    callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+  }
+  if (!unused_marked_) {
+    unused_marked_ = true;
+    for (int64_t u : unused_) {
+      if (!ready_[static_cast<size_t>(u)]) mark_ready(static_cast<size_t>(u));
+    }
+  }
+  TORCH_CHECK(!ready_[index], "leanddp.DistributedDataParallel: parameter ", names_[index],
+              " received its gradient twice in one backward (it was ",
+              (local_used_[index] ? "already reduced" : "found unused by the forward"),
+              "). Reentrant checkpointing and repeated backward passes through the same "
+              "parameters need no_sync() or find_unused_parameters=True set correctly.");
+  local_used_[index] = 1;
+  mark_ready(index);
+}
+
+void Reducer::mark_ready(size_t index) {
+  ready_[index] = 1;
+  if (recording_order_) ready_order_.push_back(static_cast<int64_t>(index));
+  const auto [b, s] = location_[index];
+  Bucket& bucket = buckets_[b];
+  const at::Tensor& grad = params_[index].grad();
+  if (!grad.defined()) {
+    bucket.views[s].zero_();  // no gradient on this rank: contribute zeros
+  } else if (!is_view(grad, bucket.views[s])) {
+    sources_[index] = grad;  // copied (and scaled) into the slice at launch
+  }
+  --bucket.pending;
+  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
+    launch(next_bucket_++);
+  }
+  if (next_bucket_ == buckets_.size() && tracks_unused() && !local_used_work_) {
+    const at::Tensor used_cpu =
+        at::from_blob(local_used_.data(), {static_cast<int64_t>(local_used_.size())}, at::kInt);
+    local_used_reduced_ = used_cpu.to(params_[0].device(), /*non_blocking=*/false, /*copy=*/true);
+    std::vector<at::Tensor> tensors{local_used_reduced_};
+    local_used_work_ = process_group_->allreduce(tensors);
+  }
+}
+
+void Reducer::launch(size_t bucket_index) {
+  Bucket& bucket = buckets_[bucket_index];
+  const std::optional<double> scale =
+      comm_hook_ ? std::nullopt : std::optional<double>(1.0 / div_factor_);
+  std::vector<at::Tensor> sources;
+  bool copies = false;
+  for (size_t s = 0; s < bucket.params.size(); ++s) {
+    const at::Tensor& src = sources_[static_cast<size_t>(bucket.params[s])];
+    copies = copies || src.defined();
+    sources.push_back(src.defined() ? src : bucket.views[s]);
+  }
+  // One pass: copy what is not in place yet and divide by the world size.
+  if (copies || scale) flatten_into(sources, bucket.flat, scale);
+  for (size_t s = 0; s < bucket.params.size(); ++s) {
+    const auto p = static_cast<size_t>(bucket.params[s]);
+    if (sources_[p].defined() && options_.gradient_as_bucket_view) {
+      params_[p].mutable_grad() = bucket.views[s];
+      grad_was_view_[p] = 1;
+    }
+    sources_[p] = at::Tensor();
+  }
+  bucket.launched = true;
+  if (comm_hook_) {
+    comm_hook_->launch(bucket_index, bucket.flat, bucket_index + 1 == buckets_.size());
+  } else {
+    std::vector<at::Tensor> tensors{bucket.flat};
+    works_[bucket_index] = process_group_->allreduce(tensors);
+  }
+}
+
+void Reducer::finalize() {
+  at::NoGradGuard no_grad;
+  std::lock_guard<std::mutex> lock(mu_);
+  callback_queued_ = false;
+  if (!armed_) return;
+  try {
+    if (options_.static_graph && iterations_ == 0) {
+      // The first iteration of a static graph: whatever did not fire is unused on this rank.
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (!ready_[i]) mark_ready(i);
+      }
+    }
+    if (next_bucket_ < buckets_.size()) {
+      std::vector<int64_t> missing;
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (!ready_[i]) missing.push_back(static_cast<int64_t>(i));
+      }
+      TORCH_CHECK(false, "leanddp.DistributedDataParallel: rank ", process_group_->getRank(),
+                  ": these parameters received no gradient in this backward: ",
+                  join_names(names_, missing),
+                  ". Their reduction could not start. If the forward does not use every "
+                  "parameter, pass find_unused_parameters=True (or static_graph=True when the "
+                  "set of used parameters never changes); parameters that are never trained "
+                  "can be frozen (requires_grad=False) before wrapping.");
+    }
+    std::vector<int32_t> used(params_.size(), 1);
+    if (tracks_unused()) {
+      local_used_work_->wait();
+      const at::Tensor reduced = local_used_reduced_.cpu();
+      const int32_t* data = reduced.data_ptr<int32_t>();
+      std::copy(data, data + used.size(), used.begin());
+    }
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      Bucket& bucket = buckets_[b];
+      if (comm_hook_) {
+        const at::Tensor result = comm_hook_->wait(b);
+        TORCH_CHECK(result.numel() == bucket.flat.numel(),
+                    "leanddp.DistributedDataParallel: the communication hook returned a tensor of ",
+                    result.numel(), " elements for bucket ", b, " of ", bucket.flat.numel());
+        if (!result.is_same(bucket.flat)) bucket.flat.copy_(result.reshape({-1}));
+      } else {
+        works_[b]->wait();
+      }
+      write_reduced_grads(b, used);
+    }
+    if (options_.static_graph && iterations_ == 0) {
+      static_unused_.clear();
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (!local_used_[i]) static_unused_.push_back(static_cast<int64_t>(i));
+      }
+    }
+    ++iterations_;
+    if (comm_hook_) comm_hook_->reset();
+    reset_iteration_state();
+  } catch (...) {
+    abandon_iteration();
+    throw;
+  }
+}
+
+void Reducer::write_reduced_grads(size_t bucket_index, const std::vector<int32_t>& used) {
+  Bucket& bucket = buckets_[bucket_index];
+  if (options_.gradient_as_bucket_view) {
+    for (size_t s = 0; s < bucket.params.size(); ++s) {
+      const auto p = static_cast<size_t>(bucket.params[s]);
+      if (!used[p]) continue;  // globally unused: grad left as it was (None stays None)
+      at::Tensor& grad = params_[p].mutable_grad();
+      if (!is_view(grad, bucket.views[s])) {
+        grad = bucket.views[s];
+        grad_was_view_[p] = 1;
+      }
+    }
+    return;
+  }
+  std::vector<at::Tensor> grads;
+  bool all_used = true;
+  for (size_t s = 0; s < bucket.params.size(); ++s) {
+    const auto p = static_cast<size_t>(bucket.params[s]);
+    at::Tensor& grad = params_[p].mutable_grad();
+    if (used[p] && !grad.defined()) grad = at::empty_like(params_[p]);
+    all_used = all_used && used[p];
+    grads.push_back(grad);
+  }
+  if (all_used) {
+    unflatten_from(bucket.flat, grads);  // one pass for the whole bucket
+    return;
+  }
+  for (size_t s = 0; s < bucket.params.size(); ++s) {
+    if (used[static_cast<size_t>(bucket.params[s])]) grads[s].copy_(bucket.views[s]);
+  }
+}
+
+bool Reducer::rebuild_buckets() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!should_rebuild() || ready_order_.empty() || armed_) return false;
+  const size_t n = params_.size();
+  std::vector<char> seen(n, 0);
+  std::vector<int64_t> order;
+  for (int64_t i : ready_order_) {
+    if (!seen[static_cast<size_t>(i)]) order.push_back(i);
+    seen[static_cast<size_t>(i)] = 1;
+  }
+  for (size_t k = 0; k < n; ++k) {
+    const size_t i = n - 1 - k;
+    if (!seen[i]) order.push_back(static_cast<int64_t>(i));
+  }
+  // Every rank adopts rank 0's order, so every rank launches the same buckets in the same order.
+  at::Tensor shared = at::tensor(order, at::kLong).to(params_[0].device());
+  std::vector<at::Tensor> tensors{shared};
+  process_group_->broadcast(tensors)->wait();
+  const at::Tensor agreed = shared.cpu();
+  order.assign(agreed.data_ptr<int64_t>(), agreed.data_ptr<int64_t>() + n);
+  std::fill(seen.begin(), seen.end(), 0);
+  for (int64_t i : order) {
+    TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < n && !seen[static_cast<size_t>(i)],
+                "leanddp.DistributedDataParallel: ranks disagree on the parameters being "
+                "trained (rank 0 sent an invalid gradient order); wrap the same model on every "
+                "rank");
+    seen[static_cast<size_t>(i)] = 1;
+  }
+  at::NoGradGuard no_grad;
+  build_buckets(assign_buckets(params_, order, options_.caps_bytes));
+  if (options_.gradient_as_bucket_view) {
+    for (size_t i = 0; i < n; ++i) {
+      at::Tensor& grad = params_[i].mutable_grad();
+      if (!grad.defined()) continue;
+      const auto [b, s] = location_[i];
+      buckets_[b].views[s].copy_(grad);
+      grad = buckets_[b].views[s];
+      grad_was_view_[i] = 1;
+    }
+  }
+  reset_iteration_state();
+  has_rebuilt_ = true;
+  ready_order_.clear();
+  return true;
+}
+
+void Reducer::set_static_graph() {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(iterations_ == 0 && !armed_,
+              "leanddp.DistributedDataParallel: the graph can be declared static only before "
+              "the first backward");
+  options_.static_graph = true;
+}
+
+void Reducer::register_comm_hook(std::unique_ptr<CommHook> hook) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(!comm_hook_, "leanddp.DistributedDataParallel: register_comm_hook may be called "
+                           "only once");
+  TORCH_CHECK(iterations_ == 0 && !armed_,
+              "leanddp.DistributedDataParallel: register_comm_hook must be called before the "
+              "first backward");
+  comm_hook_ = std::move(hook);
+}
+
+MemoryStats Reducer::memory_stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  MemoryStats stats;
+  stats.num_buckets = static_cast<int64_t>(buckets_.size());
+  for (const Bucket& b : buckets_) stats.bucket_bytes += b.flat.nbytes();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& grad = params_[i].grad();
+    if (!grad.defined()) continue;
+    const auto [b, s] = location_[i];
+    if (is_view(grad, buckets_[b].views[s])) {
+      ++stats.grads_as_views;
+    } else {
+      ++stats.grads_outside;
+      stats.grad_bytes += static_cast<int64_t>(grad.nbytes());
+    }
+  }
+  return stats;
+}
+
+std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::vector<int64_t>> out;
+  for (const Bucket& b : buckets_) out.push_back(b.params);
+  return out;
+}
+
+std::vector<int64_t> Reducer::bucket_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> out;
+  for (const Bucket& b : buckets_) out.push_back(static_cast<int64_t>(b.flat.nbytes()));
+  return out;
+}
+
+bool Reducer::has_rebuilt_buckets() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return has_rebuilt_;
+}
+
+int64_t Reducer::num_iterations() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return iterations_;
+}
+
+}  // namespace leanddp

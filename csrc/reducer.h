@@ -1,0 +1,148 @@
+// Reducer: the per-gradient, per-bucket hot path of leanddp.DistributedDataParallel.
+//
+// It hooks every parameter's gradient accumulator (post hooks added from C++), counts which
+// gradients are ready, launches each bucket's reduction on the c10d process group as soon as
+// the bucket is complete (in bucket order, identical on every rank), and finishes the iteration
+// from an autograd-engine callback queued at the first hook of a backward.
+//
+// Threading: hooks and the final callback run on autograd's threads; the Python-facing methods
+// run on the caller's thread with the GIL released. All mutable state is guarded by `mu_`.
+#pragma once
+
+#include "bucket.h"
+#include "comm_hook.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace leanddp {
+
+struct ReducerOptions {
+  // Byte caps of consecutive buckets per (device, dtype); the last one repeats.
+  std::vector<int64_t> caps_bytes{kFirstBucketCapBytes, 25 * (int64_t{1} << 20)};
+  // param.grad becomes a view into its bucket (else gradients are copied in and out).
+  bool gradient_as_bucket_view = true;
+  // Each synchronized backward finds the parameters its outputs do not reach and reports
+  // globally unused ones by leaving their grad untouched (None stays None).
+  bool find_unused_parameters = false;
+  // The set of used parameters is the same every iteration: found once, in the first one.
+  bool static_graph = false;
+};
+
+// Bytes the Reducer accounts for (see Reducer::memory_stats()).
+struct MemoryStats {
+  int64_t bucket_bytes = 0;        // flat bucket storage
+  int64_t grad_bytes = 0;          // param.grad storage outside the buckets
+  int64_t grads_as_views = 0;      // parameters whose grad is a view into its bucket
+  int64_t grads_outside = 0;       // parameters whose grad is a tensor of its own
+  int64_t num_buckets = 0;
+};
+
+class Reducer {
+ public:
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()));
+
+  // `params`: the trainable parameters, registration order, no duplicates, all on one device,
+  // dense. `names` names them in errors. Allocates the buckets and installs the hooks; performs
+  // no collective.
+  Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+          c10::intrusive_ptr<c10d::ProcessGroup> process_group, ReducerOptions options);
+  // Removes the hooks. In-flight reductions keep their own references to the buckets.
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Called by every forward when gradients may be taken (before the module runs). Returns the
+  // names of parameters whose grad was a bucket view and has since been replaced by a tensor
+  // of its own (the caller warns once); their values are copied into the bucket on the next
+  // backward, so results stay right.
+  std::vector<std::string> prepare_for_forward();
+
+  // Arms the hooks for the next backward, which will reduce. `outputs` are the forward's
+  // outputs: with find_unused_parameters (and no static graph) the autograd graph behind them
+  // is searched for parameters it cannot reach. Not calling it (no_sync) makes the next
+  // backward accumulate locally, in the bucket views.
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+
+  // Rebuilds the buckets once, from the order gradients became ready in the first synchronized
+  // backward (rank 0's order, broadcast: a collective every rank must enter). Called at the
+  // start of a forward; returns whether it rebuilt. Gradients held so far move into the new
+  // buckets.
+  bool rebuild_buckets();
+
+  // Declares the graph static (torch's `_set_static_graph`); only before the first backward.
+  void set_static_graph();
+  // Replaces the built-in allreduce by `hook` (before the first backward).
+  void register_comm_hook(std::unique_ptr<CommHook> hook);
+
+  MemoryStats memory_stats() const;
+  // Parameter indices per bucket, in launch order.
+  std::vector<std::vector<int64_t>> bucket_indices() const;
+  std::vector<int64_t> bucket_bytes() const;
+  bool has_rebuilt_buckets() const;
+  int64_t num_iterations() const;  // synchronized backwards finished
+
+ private:
+  // The post hook of parameter `index`'s gradient accumulator: runs after each accumulation.
+  void autograd_hook(size_t index);
+  // Records that parameter `index`'s gradient for this iteration is final (its hook fired, or
+  // it was found unused). Launches every bucket that is complete and next in order.
+  void mark_ready(size_t index);
+  // Copies/scales the bucket's gradients into its flat buffer and starts its reduction.
+  void launch(size_t bucket_index);
+  // The end-of-backward callback: waits for every reduction and writes the results to grads.
+  void finalize();
+  // Waits for everything in flight, ignoring errors, and disarms (after an error).
+  void abandon_iteration();
+  void reset_iteration_state();
+  void build_buckets(const std::vector<std::vector<int64_t>>& assignment);
+  bool tracks_unused() const;  // this iteration learns which parameters are globally unused
+  bool should_rebuild() const;
+  void write_reduced_grads(size_t bucket_index, const std::vector<int32_t>& used);
+
+  // Fixed at construction.
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  ReducerOptions options_;
+  std::vector<NodePtr> grad_accumulators_;  // kept alive: the hooks live on them
+  std::vector<uintptr_t> hook_keys_;
+  std::unordered_map<const torch::autograd::Node*, size_t> accumulator_index_;
+  double div_factor_;
+
+  mutable std::mutex mu_;
+  // Layout: replaced once by rebuild_buckets().
+  std::vector<Bucket> buckets_;
+  std::vector<std::pair<size_t, size_t>> location_;  // param -> (bucket, slot)
+  bool has_rebuilt_ = false;
+  std::vector<int64_t> ready_order_;  // first synchronized backward's readiness order
+  std::unique_ptr<CommHook> comm_hook_;
+
+  // Per synchronized backward; reset by prepare_for_backward().
+  bool armed_ = false;           // hooks count readiness (false: no_sync / no forward)
+  bool callback_queued_ = false;
+  bool unused_marked_ = false;   // parameters found unused were marked ready
+  bool recording_order_ = false; // this backward's readiness order feeds the rebuild
+  size_t next_bucket_ = 0;       // next bucket to launch
+  std::vector<char> ready_;
+  std::vector<at::Tensor> sources_;  // per param: the tensor to copy into its slice at launch
+  std::vector<int64_t> unused_;      // parameters this iteration expects no gradient for
+  std::vector<int32_t> local_used_;  // per param: 1 if its hook fired on this rank
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;  // per launched bucket
+  at::Tensor local_used_reduced_;    // the allreduced local_used_ (when tracked)
+  c10::intrusive_ptr<c10d::Work> local_used_work_;
+
+  // Across iterations.
+  int64_t iterations_ = 0;
+  std::vector<int64_t> static_unused_;  // static graph: parameters unused in the first iteration
+  std::vector<char> grad_was_view_;     // we set param.grad to its bucket view
+};
+
+}  // namespace leanddp
