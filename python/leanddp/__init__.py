@@ -1,12 +1,25 @@
 """leanddp: torch's DistributedDataParallel, in much less GPU memory.
 
-This release ships the foundation: the compiled extension and its custom ops (``leanddp.ops``):
-multi-tensor flatten/unflatten and fused Adam/AdamW/SGD steps on flat memory, on CPU and CUDA.
+``leanddp.DistributedDataParallel`` is a drop-in subclass of
+``torch.nn.parallel.DistributedDataParallel`` whose reduction runs in leanddp's C++ Reducer, with
+gradients stored once (``param.grad`` is a view into the flat communication bucket).
+``leanddp.ops`` holds the custom ops it is built on: multi-tensor flatten/unflatten and fused
+Adam/AdamW/SGD steps on flat memory, on CPU and CUDA.
 """
 
 from . import ops
+from ._comm import GradBucket
+from ._config import DDPConfig
 from ._extension import build_info
+from .ddp import DistributedDataParallel
 
 __version__ = "0.1.0"
 
-__all__ = ["build_info", "ops", "__version__"]
+__all__ = [
+    "DDPConfig",
+    "DistributedDataParallel",
+    "GradBucket",
+    "build_info",
+    "ops",
+    "__version__",
+]

@@ -1,0 +1,199 @@
+"""The DDP constructor's arguments: checked once, before any collective, into a DDPConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+#: torch's default bucket cap, in MiB.
+DEFAULT_BUCKET_CAP_MB = 25
+#: The first bucket is capped at 1 MiB (or the cap, if smaller) so reduction starts early.
+FIRST_BUCKET_BYTES = 1024 * 1024
+_MB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class DDPConfig:
+    """What a leanddp.DistributedDataParallel was built with, after checking."""
+
+    process_group: dist.ProcessGroup | None
+    """The group gradients are averaged over (the default group if none was given)."""
+    device: torch.device
+    """The one device holding every trainable parameter."""
+    device_ids: list[int] | None
+    """torch's ``device_ids``: for a CUDA module, ``[its device index]`` or None; inputs are
+    moved to that device before the forward when given."""
+    output_device: int | None
+    """Accepted for compatibility; outputs stay where the module puts them."""
+    dim: int
+    """Accepted for compatibility (single-device modules do not scatter)."""
+    init_sync: bool
+    """Verify parameters across ranks and broadcast module state from rank 0 at construction."""
+    init_sync_buffers: bool
+    """Whether that construction-time broadcast includes buffers."""
+    forward_sync_buffers: bool
+    """Broadcast buffers from rank 0 before each forward (``broadcast_buffers``)."""
+    caps_bytes: tuple[int, ...]
+    """Byte caps of consecutive buckets (the last repeats)."""
+    find_unused_parameters: bool
+    """Search each forward's graph for parameters it does not reach."""
+    gradient_as_bucket_view: bool
+    """``param.grad`` is a view into its bucket (default True)."""
+    static_graph: bool
+    """The used parameters are the same every iteration."""
+    batched_grad_copy: bool
+    """Accepted for compatibility: leanddp always copies a bucket's gradients in one pass."""
+    ignored_names: tuple[str, ...]
+    """Names in ``module._ddp_params_and_buffers_to_ignore``: neither synced nor reduced."""
+
+    def without_group(self) -> DDPConfig:
+        """A picklable copy (process groups do not pickle)."""
+        return dataclasses.replace(self, process_group=None)
+
+    def with_group(self, group: dist.ProcessGroup) -> DDPConfig:
+        return dataclasses.replace(self, process_group=group)
+
+
+_UNSUPPORTED = {
+    "delay_all_reduce_named_params": None,
+    "param_to_hook_all_reduce": None,
+    "mixed_precision": None,
+    "skip_all_reduce_unused_params": False,
+}
+
+_LATER = {
+    "optimizer_in_backward": (None, "optimizer_in_backward (stepping buckets inside backward)"),
+    "offload_to_cpu": (False, "offload_to_cpu (optimizer state in pinned host memory)"),
+    "max_grad_norm": (None, "max_grad_norm (exact clipping with offload_to_cpu)"),
+    "check_for_nan_in_grad": (False, "check_for_nan_in_grad"),
+}
+
+
+def _fail(message: str, cls: type[Exception] = ValueError) -> None:
+    raise cls(f"leanddp.DistributedDataParallel: {message}")
+
+
+def _resolve_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
+    if process_group is not None and device_mesh is not None:
+        _fail("pass process_group or device_mesh, not both")
+    if not dist.is_available() or not dist.is_initialized():
+        _fail(
+            "no process group: call torch.distributed.init_process_group() first (torchrun "
+            "sets the environment it needs), or pass process_group=",
+            RuntimeError,
+        )
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            _fail(f"device_mesh must be 1-D, got {device_mesh.ndim} dimensions")
+        return device_mesh.get_group()
+    return process_group if process_group is not None else dist.group.WORLD
+
+
+def _caps(bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> tuple[int, ...]:
+    if bucket_cap_mb_list:
+        for i, mb in enumerate(bucket_cap_mb_list):
+            if not isinstance(mb, (int, float)) or mb <= 0:
+                _fail(f"bucket_cap_mb_list[{i}] must be a positive number of MiB, got {mb!r}")
+        return tuple(int(mb * _MB) for mb in bucket_cap_mb_list)
+    if bucket_cap_mb is None:
+        bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+        _fail(f"bucket_cap_mb must be a number of MiB, got {bucket_cap_mb!r}", TypeError)
+    if not bucket_cap_mb > 0:
+        _fail(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+    cap = max(1, int(bucket_cap_mb * _MB))
+    return (min(FIRST_BUCKET_BYTES, cap), cap)
+
+
+def _check_module(module: Any, ignored: Sequence[str]) -> torch.device:
+    if not isinstance(module, nn.Module):
+        _fail(f"module must be a torch.nn.Module, got {type(module).__name__}", TypeError)
+    trainable = [
+        (n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored
+    ]
+    if not trainable:
+        _fail(
+            "the module has no parameter that requires a gradient, so there is nothing to "
+            "synchronize (DistributedDataParallel is not needed)"
+        )
+    devices = {p.device for _, p in trainable}
+    if len(devices) > 1:
+        first = {}
+        for n, p in trainable:
+            first.setdefault(p.device, n)
+        listed = ", ".join(f"{n!r} on {d}" for d, n in first.items())
+        _fail(f"parameters are on several devices ({listed}); leanddp needs one device per rank")
+    for prefix, sub in module.named_modules():
+        if getattr(sub, "sparse", False) is True and any(
+            p.requires_grad for p in sub.parameters(recurse=False)
+        ):
+            _fail(
+                f"module {prefix or type(sub).__name__!r} produces sparse gradients "
+                "(sparse=True), which leanddp does not reduce; use sparse=False"
+            )
+    for n, p in trainable:
+        if not (p.is_floating_point() or p.is_complex()):
+            _fail(f"parameter {n!r} has dtype {p.dtype}; trainable parameters must be floating")
+        if p.layout != torch.strided:
+            _fail(f"parameter {n!r} has layout {p.layout}; leanddp needs dense parameters")
+    return devices.pop()
+
+
+def check_arguments(module: Any, **kw: Any) -> DDPConfig:
+    """Validates every constructor argument (raising a clear error naming it) and returns the
+    resulting configuration. Performs no collective and changes no state."""
+    for name, default in _UNSUPPORTED.items():
+        if kw[name] != default and kw[name] is not None:
+            _fail(f"{name} is not supported", NotImplementedError)
+    for name, (default, feature) in _LATER.items():
+        if kw[name] != default:
+            _fail(f"{feature} is not implemented yet", NotImplementedError)
+    for name in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "init_sync"):
+        if not isinstance(kw[name], bool):
+            _fail(f"{name} must be a bool, got {kw[name]!r}", TypeError)
+    caps = _caps(kw["bucket_cap_mb"], kw["bucket_cap_mb_list"])
+    ignored = tuple(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
+    device = _check_module(module, ignored)
+    device_ids = kw["device_ids"]
+    if device_ids is not None:
+        device_ids = [torch.device(d).index if not isinstance(d, int) else d for d in device_ids]
+        if device.type == "cpu" or len(device_ids) != 1 or device_ids[0] != device.index:
+            _fail(
+                f"device_ids={kw['device_ids']!r} does not match the module: pass None for CPU "
+                f"modules, or the one device index of a GPU module (its parameters are on "
+                f"{device})"
+            )
+    group = _resolve_group(kw["process_group"], kw["device_mesh"])
+    if kw["check_reduction"]:
+        warnings.warn("check_reduction is deprecated and has no effect", stacklevel=3)
+    broadcast, forward_sync = kw["broadcast_buffers"], kw["forward_sync_buffers"]
+    if forward_sync is not None:
+        forward_sync_buffers, init_sync_buffers = bool(forward_sync), True
+    else:
+        forward_sync_buffers = init_sync_buffers = True if broadcast is None else bool(broadcast)
+    output_device = kw["output_device"]
+    if isinstance(output_device, torch.device):
+        output_device = output_device.index
+    return DDPConfig(
+        process_group=group,
+        device=device,
+        device_ids=device_ids,
+        output_device=output_device,
+        dim=kw["dim"],
+        init_sync=kw["init_sync"],
+        init_sync_buffers=init_sync_buffers,
+        forward_sync_buffers=forward_sync_buffers,
+        caps_bytes=caps,
+        find_unused_parameters=kw["find_unused_parameters"],
+        gradient_as_bucket_view=kw["gradient_as_bucket_view"],
+        static_graph=kw["static_graph"],
+        batched_grad_copy=bool(kw["batched_grad_copy"]),
+        ignored_names=ignored,
+    )
+

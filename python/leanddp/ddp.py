@@ -1,0 +1,340 @@
+"""leanddp.DistributedDataParallel: torch's DDP with leanddp's C++ Reducer as the hot path."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.algorithms.join import _JoinConfig
+from torch.nn.parallel.distributed import _find_tensors
+
+from . import _comm
+from ._collectives import broadcast_from_rank0, verify_same_parameters
+from ._config import DDPConfig, check_arguments
+from ._extension import _C
+
+
+class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
+    """A drop-in ``torch.nn.parallel.DistributedDataParallel`` that stores gradients once.
+
+    Takes torch's constructor arguments (see :class:`leanddp.DDPConfig` for what each does
+    here and which are not supported), with ``gradient_as_bucket_view=True`` by default:
+    ``param.grad`` is a view into the flat bucket that is reduced, so gradients take their
+    bytes once. It never builds torch's reducer: hooks, bucketing and the asynchronous
+    allreduce run in leanddp's C++ Reducer (``self.reducer``) on the process group given.
+
+    Keyword-only additions (arriving in later releases; a non-default value raises
+    NotImplementedError now): ``optimizer_in_backward``, ``offload_to_cpu``,
+    ``max_grad_norm``, ``check_for_nan_in_grad``.
+
+    Construction broadcasts parameters and buffers from rank 0 and checks that every rank
+    holds the same parameters (a collective every rank must enter), unless
+    ``init_sync=False``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
+        optimizer_in_backward: Callable[..., torch.optim.Optimizer] | None = None,
+        offload_to_cpu: bool = False,
+        max_grad_norm: float | None = None,
+        check_for_nan_in_grad: bool = False,
+    ) -> None:
+        nn.Module.__init__(self)
+        config = check_arguments(
+            module,
+            device_ids=device_ids,
+            output_device=output_device,
+            dim=dim,
+            broadcast_buffers=broadcast_buffers,
+            init_sync=init_sync,
+            process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            check_reduction=check_reduction,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
+            device_mesh=device_mesh,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            bucket_cap_mb_list=bucket_cap_mb_list,
+            batched_grad_copy=batched_grad_copy,
+            forward_sync_buffers=forward_sync_buffers,
+            optimizer_in_backward=optimizer_in_backward,
+            offload_to_cpu=offload_to_cpu,
+            max_grad_norm=max_grad_norm,
+            check_for_nan_in_grad=check_for_nan_in_grad,
+        )
+        self.module = module
+        self._set_config(config)
+        self.process_group = config.process_group
+        if config.init_sync:
+            verify_same_parameters(self._named_trainable, self.process_group)
+            state = [
+                p for name, p in module.named_parameters() if name not in self.parameters_to_ignore
+            ]
+            if config.init_sync_buffers:
+                state += self.modules_buffers
+            broadcast_from_rank0(state, self.process_group)
+        self._build_reducer()
+
+    # ----------------------------------------------------------------------------------------
+    # construction helpers (also used when unpickling)
+
+    def _set_config(self, config: DDPConfig) -> None:
+        self._config = config
+        self.device_ids = config.device_ids
+        self.output_device = config.output_device
+        self.dim = config.dim
+        self.forward_sync_buffers = config.forward_sync_buffers
+        self.find_unused_parameters = config.find_unused_parameters
+        self.gradient_as_bucket_view = config.gradient_as_bucket_view
+        self.static_graph = config.static_graph
+        self.bucket_bytes_cap = config.caps_bytes[-1]
+        self.batched_grad_copy = config.batched_grad_copy
+        self.mixed_precision = None
+        self.is_multi_device_module = False
+        self.device = config.device
+        self.device_type = config.device.type
+        self.parameters_to_ignore = set(config.ignored_names)
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._join_config = _JoinConfig.construct_disabled_join_config()
+        self._comm_hooks: list[tuple[Callable, Any]] = []
+        self._warned_replaced_grads = False
+        self._has_rebuilt_buckets = False
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Whether buffers are broadcast from rank 0 before each forward (torch's meaning)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = bool(value)
+
+    @property
+    def _named_trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return [
+            (name, p)
+            for name, p in self.module.named_parameters()
+            if p.requires_grad and name not in self.parameters_to_ignore
+        ]
+
+    @property
+    def modules_buffers(self) -> list[Tensor]:
+        """The module's buffers that are synchronized (torch's attribute of the same name)."""
+        return [
+            b for name, b in self.module.named_buffers() if name not in self.parameters_to_ignore
+        ]
+
+    def _build_reducer(self) -> None:
+        named = self._named_trainable
+        self._params = [p for _, p in named]
+        self.reducer = _C.Reducer(
+            self._params,
+            [name for name, _ in named],
+            self.process_group,
+            list(self._config.caps_bytes),
+            self.gradient_as_bucket_view,
+            self.find_unused_parameters,
+            self.static_graph,
+        )
+        for hook, state in self._comm_hooks:
+            self._attach_comm_hook(hook, state)
+
+    # ----------------------------------------------------------------------------------------
+    # the training step
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Runs the module; arms the Reducer unless inside :meth:`no_sync` or without grad."""
+        with torch.autograd.profiler.record_function("leanddp.DistributedDataParallel.forward"):
+            grad_enabled = torch.is_grad_enabled()
+            if grad_enabled:
+                self._warn_replaced_grads(self.reducer.prepare_for_forward())
+                if self.reducer.rebuild_buckets():
+                    self._has_rebuilt_buckets = True
+            if self.will_sync_module_buffers():
+                self._sync_buffers()
+            if self.device_ids:
+                inputs, kwargs = _move_to(inputs, kwargs, self.device)
+            output = self.module(*inputs, **kwargs)
+            if grad_enabled and self.require_backward_grad_sync:
+                self.require_forward_param_sync = True
+                track = self.find_unused_parameters and not self.static_graph
+                self.reducer.prepare_for_backward(list(_find_tensors(output)) if track else [])
+            else:
+                self.require_forward_param_sync = False
+            return output
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts buffers from rank 0 (torch's rule: only after a
+        forward that prepared a synchronized backward, or at the first)."""
+        return (
+            self.require_forward_param_sync
+            and self.forward_sync_buffers
+            and len(self.modules_buffers) > 0
+        )
+
+    def _sync_buffers(self) -> None:
+        broadcast_from_rank0(self.modules_buffers, self.process_group)
+
+    def _warn_replaced_grads(self, names: list[str]) -> None:
+        if names and not self._warned_replaced_grads:
+            self._warned_replaced_grads = True
+            warnings.warn(
+                "leanddp.DistributedDataParallel: the gradient of "
+                f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''} is no longer a view "
+                "into its communication bucket (code replaced param.grad out of place). Results "
+                "stay correct (it is copied into the bucket at the next reduction), but the "
+                "memory saving of gradient_as_bucket_view is lost while it is held. Modify "
+                "gradients in place, or set them to None.",
+                stacklevel=3,
+            )
+
+    # ----------------------------------------------------------------------------------------
+    # what code written for torch's DDP calls
+
+    def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future]) -> None:
+        """Replaces the built-in allreduce with ``hook(state, bucket) -> Future`` (torch's
+        contract; torch's own hooks such as allreduce, fp16/bf16 compression and PowerSGD work).
+        Call once, before the first backward."""
+        if not callable(hook):
+            raise TypeError("register_comm_hook: hook must be callable")
+        if self._comm_hooks:
+            raise RuntimeError("register_comm_hook: a communication hook is already registered")
+        self._attach_comm_hook(hook, state)
+        self._comm_hooks.append((hook, state))
+
+    def _attach_comm_hook(self, hook: Callable, state: object) -> None:
+        params = self._params
+        layout = self.reducer.bucket_indices
+
+        def bucket_params(index: int) -> list[nn.Parameter]:
+            return [params[i] for i in layout()[index]]
+
+        self.reducer.register_comm_hook(_comm.make_launcher(hook, state, bucket_params))
+
+    def _set_static_graph(self) -> None:
+        """torch's switch: declares the set of used parameters fixed (before the first step)."""
+        if self.static_graph:
+            return
+        self.reducer.set_static_graph()
+        self.static_graph = True
+
+    def _register_fused_optim(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "leanddp.DistributedDataParallel: _register_fused_optim is not supported; use the "
+            "optimizer_in_backward argument (coming in a later release)."
+        )
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported yet: raises NotImplementedError (uneven inputs)."""
+        raise NotImplementedError(
+            "leanddp.DistributedDataParallel does not support join() (uneven inputs across "
+            "ranks) yet. Give every rank the same number of batches, for example with "
+            "DistributedSampler(..., drop_last=True)."
+        )
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """Not supported yet: raises NotImplementedError, like :meth:`join`."""
+        return self.join()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes held for gradients: ``bucket_bytes`` (the flat buckets), ``grad_bytes``
+        (gradients held outside the buckets), ``param_bytes`` (trainable parameters), and the
+        counts ``grads_as_views``, ``grads_outside`` and ``num_buckets``."""
+        s = self.reducer.memory_stats()
+        return {
+            "param_bytes": sum(p.numel() * p.element_size() for p in self._params),
+            "bucket_bytes": s.bucket_bytes,
+            "grad_bytes": s.grad_bytes,
+            "grads_as_views": s.grads_as_views,
+            "grads_outside": s.grads_outside,
+            "num_buckets": s.num_buckets,
+        }
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """The fields of torch's DDP logging data that leanddp shares, with torch's keys."""
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in self._params})
+        return {
+            "backend_name": self.process_group.name(),
+            "bucket_sizes": ", ".join(str(b) for b in self.reducer.bucket_bytes()),
+            "device_ids": ", ".join(str(d) for d in (self.device_ids or [])),
+            "dtypes": ", ".join(dtypes),
+            "module_name": type(self.module).__name__,
+            "broadcast_buffers": int(self.forward_sync_buffers),
+            "bucket_cap_bytes": self.bucket_bytes_cap,
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "is_multi_device_module": 0,
+            "iteration": self.reducer.num_iterations(),
+            "num_parameter_tensors": len(self._params),
+            "output_device": self.output_device if self.output_device is not None else -1,
+            "rank": self.process_group.rank(),
+            "static_graph": int(self.static_graph),
+            "has_rebuilt_buckets": int(self.reducer.has_rebuilt_buckets()),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in self._params),
+            "world_size": self.process_group.size(),
+        }
+
+    # ----------------------------------------------------------------------------------------
+    # pickling: the C++ state is rebuilt, on the default process group (torch's rule)
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.process_group is not dist.distributed_c10d._get_default_group():
+            raise RuntimeError(
+                "leanddp.DistributedDataParallel can be pickled only when it uses the default "
+                "process group (no process_group argument), as with torch's DDP."
+            )
+        state = copy.copy(self.__dict__)
+        for key in ("process_group", "reducer", "_params"):
+            state.pop(key, None)
+        state["_config"] = self._config.without_group()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        nn.Module.__setstate__(self, state)
+        self.process_group = dist.distributed_c10d._get_default_group()
+        self._config = self._config.with_group(self.process_group)
+        self._build_reducer()
+
+
+def _move_to(inputs: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
+    def move(obj: Any) -> Any:
+        if isinstance(obj, Tensor):
+            return obj.to(device, non_blocking=True)
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            return type(obj)(move(o) for o in obj)
+        if isinstance(obj, dict):
+            return type(obj)((k, move(v)) for k, v in obj.items())
+        return obj
+
+    return move(inputs), move(kwargs)

@@ -1,0 +1,57 @@
+"""Runs a test body in several processes with a gloo process group, and re-raises failures.
+
+``run_ranks(world_size, fn, *args)`` spawns ``world_size`` processes; each initialises the
+default group on a fresh TCP port and calls ``fn(rank, world_size, *args)``. ``fn`` must be a
+module-level function (it is pickled by name). A failure on any rank fails the test with that
+rank's traceback; a hang is cut off by the process group timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+#: Collectives fail instead of hanging after this long.
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, seed: int, fn: Callable, args: tuple) -> None:
+    os.environ["LEANDDP_TEST_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=TIMEOUT,
+    )
+    try:
+        torch.manual_seed(seed + 1000 * rank)
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> None:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (see module doc)."""
+    seed = int(torch.randint(0, 2**30, ()).item())
+    mp.spawn(
+        _entry,
+        args=(world_size, _free_port(), seed, fn, args),
+        nprocs=world_size,
+        join=True,
+    )
