@@ -310,6 +310,9 @@ void Reducer::finalize() {
       const at::Tensor reduced = local_used_reduced_.cpu();
       const int32_t* data = reduced.data_ptr<int32_t>();
       std::copy(data, data + used.size(), used.begin());
+      if (options_.static_graph) static_used_ = used;  // a static graph keeps the first verdict
+    } else if (options_.static_graph) {
+      used = static_used_;
     }
     for (size_t b = 0; b < buckets_.size(); ++b) {
       Bucket& bucket = buckets_[b];

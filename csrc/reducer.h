@@ -141,7 +141,8 @@ class Reducer {
 
   // Across iterations.
   int64_t iterations_ = 0;
-  std::vector<int64_t> static_unused_;  // static graph: parameters unused in the first iteration
+  std::vector<int64_t> static_unused_;  // static graph: unused on this rank in the first iteration
+  std::vector<int32_t> static_used_;    // static graph: used on any rank in the first iteration
   std::vector<char> grad_was_view_;     // we set param.grad to its bucket view
 };
 
