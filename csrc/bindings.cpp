@@ -15,7 +15,8 @@ namespace py = pybind11;
 
 namespace {
 
-// A communication hook written in Python: `launch(index, buffer, is_last)` returns an object
+// A communication hook written in Python: `launch(index, buffer, is_last, params)` returns an
+// object
 // with `wait()` (a torch.futures.Future) whose value is the reduced tensor, or a list holding it.
 class PyCommHook final : public leanddp::CommHook {
  public:
@@ -25,9 +26,10 @@ class PyCommHook final : public leanddp::CommHook {
     futures_.clear();
     launch_ = py::object();
   }
-  void launch(size_t index, const at::Tensor& buffer, bool is_last) override {
+  void launch(size_t index, const at::Tensor& buffer, bool is_last,
+              const std::vector<int64_t>& params) override {
     py::gil_scoped_acquire gil;
-    py::object future = launch_(index, buffer, is_last);
+    py::object future = launch_(index, buffer, is_last, params);
     if (futures_.size() <= index) futures_.resize(index + 1);
     futures_[index] = std::move(future);
   }
@@ -83,8 +85,15 @@ void bind_reducer(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
+      .def(
+          "prepare_for_backward",
+          [](Reducer& self, const at::Tensor& output) { self.prepare_for_backward({output}); },
+          py::arg("output"), py::call_guard<py::gil_scoped_release>())
       .def("rebuild_buckets", &Reducer::rebuild_buckets, py::call_guard<py::gil_scoped_release>())
-      .def("set_static_graph", &Reducer::set_static_graph,
+      .def("set_static_graph", &Reducer::set_static_graph, py::call_guard<py::gil_scoped_release>())
+      // The names torch's reducer uses, for code written against it.
+      .def("_rebuild_buckets", &Reducer::rebuild_buckets, py::call_guard<py::gil_scoped_release>())
+      .def("_set_static_graph", &Reducer::set_static_graph,
            py::call_guard<py::gil_scoped_release>())
       .def(
           "register_comm_hook",

@@ -8,9 +8,9 @@
 
 namespace leanddp {
 
-std::vector<std::vector<int64_t>> assign_buckets(
-    const std::vector<at::Tensor>& params, const std::vector<int64_t>& order,
-    const std::vector<int64_t>& caps_bytes) {
+std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& params,
+                                                 const std::vector<int64_t>& order,
+                                                 const std::vector<int64_t>& caps_bytes) {
   TORCH_CHECK(!caps_bytes.empty(), "assign_buckets: no bucket cap given");
   using Key = std::tuple<int, int, int>;  // device type, device index, dtype
   struct Open {

@@ -23,9 +23,9 @@ constexpr int64_t kFirstBucketCapBytes = 1 << 20;
 // the parameter indices in layout order; buckets are ordered by when they closed, which is the
 // order in which all ranks launch their reductions. Deterministic: the same inputs give the same
 // layout on every rank.
-std::vector<std::vector<int64_t>> assign_buckets(
-    const std::vector<at::Tensor>& params, const std::vector<int64_t>& order,
-    const std::vector<int64_t>& caps_bytes);
+std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& params,
+                                                 const std::vector<int64_t>& order,
+                                                 const std::vector<int64_t>& caps_bytes);
 
 // One bucket: a flat buffer holding the gradients of `params`, densely packed in that order
 // (the layout torch's DDP uses, so a comm hook sees the buffer it expects). Fields other than

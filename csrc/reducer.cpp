@@ -71,11 +71,12 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
     TORCH_CHECK(acc, "Reducer: parameter ", names_[i], " has no gradient accumulator");
     accumulator_index_[acc.get()] = i;
-    hook_keys_.push_back(acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, i](const variable_list& outputs, const variable_list&) {
-          autograd_hook(i);
-          return outputs;
-        })));
+    hook_keys_.push_back(
+        acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [this, i](const variable_list& outputs, const variable_list&) {
+              autograd_hook(i);
+              return outputs;
+            })));
     grad_accumulators_.push_back(std::move(acc));
   }
 }
@@ -272,7 +273,8 @@ void Reducer::launch(size_t bucket_index) {
   }
   bucket.launched = true;
   if (comm_hook_) {
-    comm_hook_->launch(bucket_index, bucket.flat, bucket_index + 1 == buckets_.size());
+    comm_hook_->launch(bucket_index, bucket.flat, bucket_index + 1 == buckets_.size(),
+                       bucket.params);
   } else {
     std::vector<at::Tensor> tensors{bucket.flat};
     works_[bucket_index] = process_group_->allreduce(tensors);
@@ -296,13 +298,13 @@ void Reducer::finalize() {
       for (size_t i = 0; i < params_.size(); ++i) {
         if (!ready_[i]) missing.push_back(static_cast<int64_t>(i));
       }
-      TORCH_CHECK(false, "leanddp.DistributedDataParallel: rank ", process_group_->getRank(),
-                  ": these parameters received no gradient in this backward: ",
-                  join_names(names_, missing),
-                  ". Their reduction could not start. If the forward does not use every "
-                  "parameter, pass find_unused_parameters=True (or static_graph=True when the "
-                  "set of used parameters never changes); parameters that are never trained "
-                  "can be frozen (requires_grad=False) before wrapping.");
+      TORCH_CHECK(
+          false, "leanddp.DistributedDataParallel: rank ", process_group_->getRank(),
+          ": these parameters received no gradient in this backward: ", join_names(names_, missing),
+          ". Their reduction could not start. If the forward does not use every "
+          "parameter, pass find_unused_parameters=True (or static_graph=True when the "
+          "set of used parameters never changes); parameters that are never trained "
+          "can be frozen (requires_grad=False) before wrapping.");
     }
     std::vector<int32_t> used(params_.size(), 1);
     if (tracks_unused()) {
@@ -430,8 +432,9 @@ void Reducer::set_static_graph() {
 
 void Reducer::register_comm_hook(std::unique_ptr<CommHook> hook) {
   std::lock_guard<std::mutex> lock(mu_);
-  TORCH_CHECK(!comm_hook_, "leanddp.DistributedDataParallel: register_comm_hook may be called "
-                           "only once");
+  TORCH_CHECK(!comm_hook_,
+              "leanddp.DistributedDataParallel: register_comm_hook may be called "
+              "only once");
   TORCH_CHECK(iterations_ == 0 && !armed_,
               "leanddp.DistributedDataParallel: register_comm_hook must be called before the "
               "first backward");

@@ -38,10 +38,10 @@ struct ReducerOptions {
 
 // Bytes the Reducer accounts for (see Reducer::memory_stats()).
 struct MemoryStats {
-  int64_t bucket_bytes = 0;        // flat bucket storage
-  int64_t grad_bytes = 0;          // param.grad storage outside the buckets
-  int64_t grads_as_views = 0;      // parameters whose grad is a view into its bucket
-  int64_t grads_outside = 0;       // parameters whose grad is a tensor of its own
+  int64_t bucket_bytes = 0;    // flat bucket storage
+  int64_t grad_bytes = 0;      // param.grad storage outside the buckets
+  int64_t grads_as_views = 0;  // parameters whose grad is a view into its bucket
+  int64_t grads_outside = 0;   // parameters whose grad is a tensor of its own
   int64_t num_buckets = 0;
 };
 
@@ -126,17 +126,17 @@ class Reducer {
   std::unique_ptr<CommHook> comm_hook_;
 
   // Per synchronized backward; reset by prepare_for_backward().
-  bool armed_ = false;           // hooks count readiness (false: no_sync / no forward)
+  bool armed_ = false;  // hooks count readiness (false: no_sync / no forward)
   bool callback_queued_ = false;
-  bool unused_marked_ = false;   // parameters found unused were marked ready
-  bool recording_order_ = false; // this backward's readiness order feeds the rebuild
-  size_t next_bucket_ = 0;       // next bucket to launch
+  bool unused_marked_ = false;    // parameters found unused were marked ready
+  bool recording_order_ = false;  // this backward's readiness order feeds the rebuild
+  size_t next_bucket_ = 0;        // next bucket to launch
   std::vector<char> ready_;
   std::vector<at::Tensor> sources_;  // per param: the tensor to copy into its slice at launch
   std::vector<int64_t> unused_;      // parameters this iteration expects no gradient for
   std::vector<int32_t> local_used_;  // per param: 1 if its hook fired on this rank
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;  // per launched bucket
-  at::Tensor local_used_reduced_;    // the allreduced local_used_ (when tracked)
+  at::Tensor local_used_reduced_;                      // the allreduced local_used_ (when tracked)
   c10::intrusive_ptr<c10d::Work> local_used_work_;
 
   // Across iterations.

@@ -84,7 +84,7 @@ class LockStep:
 
     def backward(self, batches: list[torch.Tensor], set_to_none: bool = True) -> None:
         """One optimizer step's worth of micro-batches (all but the last under no_sync)."""
-        for ddp, opt in zip((self.ref, self.ours), self.opts):
+        for ddp, opt in zip((self.ref, self.ours), self.opts, strict=True):
             opt.zero_grad(set_to_none=set_to_none)
             for i, x in enumerate(batches):
                 if i < len(batches) - 1:
@@ -102,7 +102,7 @@ class LockStep:
         return [
             (name, a, b)
             for (name, a), b in zip(
-                self.ref.module.named_parameters(), self.ours.module.parameters()
+                self.ref.module.named_parameters(), self.ours.module.parameters(), strict=True
             )
         ]
 

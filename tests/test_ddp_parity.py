@@ -50,7 +50,9 @@ def _parity(rank: int, world_size: int, unused: bool, optimizer: str) -> None:
             run.step()
             for name, a, b in run.pairs():
                 assert_same(a, b, f"{case} step {step} {name}", exact)
-        for (name, a), b in zip(run.ref.module.named_buffers(), run.ours.module.buffers()):
+        for (name, a), b in zip(
+            run.ref.module.named_buffers(), run.ours.module.buffers(), strict=True
+        ):
             assert_same(a, b, f"{case} buffer {name}", exact)
         ours = run.ours.module
         assert ours.frozen.weight.grad is None

@@ -39,16 +39,15 @@ def broadcast_from_rank0(tensors: Sequence[Tensor], group: dist.ProcessGroup) ->
     """Overwrites ``tensors`` in place, on every rank of ``group``, with the group's rank 0's."""
     tensors = [t.detach() for t in tensors if t.numel() > 0]
     for chunk in _chunks(tensors):
-        flat = torch.empty(sum(t.numel() for t in chunk), dtype=chunk[0].dtype,
-                           device=chunk[0].device)
+        flat = torch.empty(
+            sum(t.numel() for t in chunk), dtype=chunk[0].dtype, device=chunk[0].device
+        )
         ops.flatten_into(chunk, flat)
         dist.broadcast(flat, group=group, group_src=0)
         ops.unflatten_from(flat, chunk)
 
 
-def verify_same_parameters(
-    named: Sequence[tuple[str, Tensor]], group: dist.ProcessGroup
-) -> None:
+def verify_same_parameters(named: Sequence[tuple[str, Tensor]], group: dist.ProcessGroup) -> None:
     """Raises ValueError on every rank, naming the first parameter whose name, shape or dtype
     differs from rank 0's (or the count, if the ranks hold different numbers of parameters)."""
     mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in named]
@@ -58,7 +57,7 @@ def verify_same_parameters(
     assert reference is not None
     for rank, theirs in enumerate(everyone[1:], start=1):
         assert theirs is not None
-        for i, (ref, other) in enumerate(zip(reference, theirs)):
+        for i, (ref, other) in enumerate(zip(reference, theirs, strict=False)):
             if ref != other:
                 raise ValueError(
                     "leanddp.DistributedDataParallel: the model differs across ranks: "

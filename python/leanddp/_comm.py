@@ -63,13 +63,15 @@ class GradBucket:
 def make_launcher(
     hook: Callable[[Any, GradBucket], torch.futures.Future],
     state: Any,
-    bucket_params: Callable[[int], Sequence[torch.nn.Parameter]],
-) -> Callable[[int, Tensor, bool], torch.futures.Future]:
-    """The function the Reducer calls per bucket: builds the GradBucket and runs the hook."""
+    params: Sequence[torch.nn.Parameter],
+) -> Callable[[int, Tensor, bool, list[int]], torch.futures.Future]:
+    """The function the Reducer calls per bucket (with the indices into ``params`` of the
+    bucket's parameters): builds the GradBucket and runs the hook."""
 
-    def launch(index: int, buffer: Tensor, is_last: bool) -> torch.futures.Future:
-        future = hook(state, GradBucket(index, buffer, is_last, bucket_params(index)))
-        if not isinstance(future, torch.futures.Future):
+    def launch(index: int, buffer: Tensor, is_last: bool, members: list[int]) -> Any:
+        bucket = GradBucket(index, buffer, is_last, [params[i] for i in members])
+        future = hook(state, bucket)
+        if not isinstance(future, torch._C.Future):  # torch.futures.Future and c10d's futures
             raise TypeError(
                 "leanddp.DistributedDataParallel: a communication hook must return a "
                 f"torch.futures.Future, got {type(future).__name__}"

@@ -196,4 +196,3 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
         batched_grad_copy=bool(kw["batched_grad_copy"]),
         ignored_names=ignored,
     )
-

@@ -234,13 +234,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._comm_hooks.append((hook, state))
 
     def _attach_comm_hook(self, hook: Callable, state: object) -> None:
-        params = self._params
-        layout = self.reducer.bucket_indices
-
-        def bucket_params(index: int) -> list[nn.Parameter]:
-            return [params[i] for i in layout()[index]]
-
-        self.reducer.register_comm_hook(_comm.make_launcher(hook, state, bucket_params))
+        self.reducer.register_comm_hook(_comm.make_launcher(hook, state, self._params))
 
     def _set_static_graph(self) -> None:
         """torch's switch: declares the set of used parameters fixed (before the first step)."""
@@ -283,7 +277,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """The fields of torch's DDP logging data that leanddp shares, with torch's keys."""
-        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in self._params})
+        dtypes = sorted({_C10_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in self._params})
         return {
             "backend_name": self.process_group.name(),
             "bucket_sizes": ", ".join(str(b) for b in self.reducer.bucket_bytes()),
@@ -299,7 +293,6 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             "num_parameter_tensors": len(self._params),
             "output_device": self.output_device if self.output_device is not None else -1,
             "rank": self.process_group.rank(),
-            "static_graph": int(self.static_graph),
             "has_rebuilt_buckets": int(self.reducer.has_rebuilt_buckets()),
             "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in self._params),
             "world_size": self.process_group.size(),
@@ -325,6 +318,15 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.process_group = dist.distributed_c10d._get_default_group()
         self._config = self._config.with_group(self.process_group)
         self._build_reducer()
+
+
+#: How torch's logging data spells dtypes (c10's names).
+_C10_DTYPE_NAMES = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.float16: "c10::Half",
+    torch.bfloat16: "c10::BFloat16",
+}
 
 
 def _move_to(inputs: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:

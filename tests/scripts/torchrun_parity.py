@@ -1,0 +1,31 @@
+"""Launched by tests/test_torchrun.py with torchrun: trains leanddp and torch's DDP side by side
+on the environment torchrun sets up and checks they agree bitwise; rank 0 prints PARITY OK."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ddp_models import Case, LockStep, Net, assert_same  # noqa: E402
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    run = LockStep(Net(rank=rank), Case(optimizer="adamw", accum=2))
+    for step in range(5):
+        run.backward([torch.randn(6, 12) for _ in range(2)])
+        run.step()
+        for name, a, b in run.pairs():
+            assert_same(a, b, f"step {step} {name}", exact=True)
+    dist.barrier()
+    if rank == 0:
+        print("PARITY OK", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
