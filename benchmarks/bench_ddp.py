@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_ops import environment  # the same machine/version record as the op benchmark
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -161,20 +161,13 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
     dist.destroy_process_group()
 
 
-def environment(argv: list[str]) -> dict:
-    return {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "leanddp": leanddp.__version__,
-        "command": "python " + " ".join(argv),
-    }
-
-
 def markdown(result: dict) -> str:
     t = {n: statistics.median(v) for n, v in result["times"].items()}
     pb = result["param_bytes"]
+    env = result["env"]
     lines = [
+        f"`{env['command']}` — torch {env['torch']}, Python {env['python']}, {env['cpu']}",
+        "",
         f"model: {result['params'] / 1e6:.2f}M parameters ({pb / 2**20:.1f} MiB fp32), gloo, "
         f"world size {result['world_size']}, CPU",
         "",
