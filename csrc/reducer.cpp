@@ -218,10 +218,10 @@ void Reducer::autograd_hook(size_t index) {
     }
   }
   TORCH_CHECK(!ready_[index], "leanddp.DistributedDataParallel: parameter ", names_[index],
-              " received its gradient twice in one backward (it was ",
-              (local_used_[index] ? "already reduced" : "found unused by the forward"),
-              "). Reentrant checkpointing and repeated backward passes through the same "
-              "parameters need no_sync() or find_unused_parameters=True set correctly.");
+              " received a gradient twice in one backward (it had already been ",
+              (local_used_[index] ? "reduced" : "found unreachable from the forward's outputs"),
+              "). Reentrant activation checkpointing does this: use "
+              "torch.utils.checkpoint.checkpoint(..., use_reentrant=False).");
   local_used_[index] = 1;
   mark_ready(index);
 }
