@@ -106,7 +106,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._build_reducer()
 
     # ----------------------------------------------------------------------------------------
-    # construction helpers (also used when unpickling)
+    # construction helpers (_build_reducer runs again when unpickling)
 
     def _set_config(self, config: DDPConfig) -> None:
         self._config = config
