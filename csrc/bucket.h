@@ -29,14 +29,13 @@ std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& 
 
 // One bucket: a flat buffer holding the gradients of `params`, densely packed in that order
 // (the layout torch's DDP uses, so a comm hook sees the buffer it expects). Fields other than
-// `pending` and `launched` are fixed once the bucket is made.
+// `pending` are fixed once the bucket is made.
 struct Bucket {
   at::Tensor flat;                // 1-D, one dtype and device: the communication buffer
   std::vector<int64_t> params;    // parameter indices, in layout order
   std::vector<int64_t> offsets;   // element offset of each parameter's slice in `flat`
   std::vector<at::Tensor> views;  // `flat` seen with each parameter's sizes and strides
   size_t pending = 0;             // parameters not yet ready in the current backward
-  bool launched = false;          // its reduction was launched in the current backward
 };
 
 // Allocates a zeroed bucket for `indices` (all of one device and dtype). Views keep each

@@ -119,10 +119,7 @@ void Reducer::reset_iteration_state() {
   works_.assign(buckets_.size(), {});
   local_used_reduced_ = at::Tensor();
   local_used_work_.reset();
-  for (Bucket& b : buckets_) {
-    b.pending = b.params.size();
-    b.launched = false;
-  }
+  for (Bucket& b : buckets_) b.pending = b.params.size();
 }
 
 void Reducer::abandon_iteration() {
@@ -271,7 +268,6 @@ void Reducer::launch(size_t bucket_index) {
     }
     sources_[p] = at::Tensor();
   }
-  bucket.launched = true;
   if (comm_hook_) {
     comm_hook_->launch(bucket_index, bucket.flat, bucket_index + 1 == buckets_.size(),
                        bucket.params);

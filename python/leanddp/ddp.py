@@ -129,7 +129,6 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self._comm_hooks: list[tuple[Callable, Any]] = []
         self._warned_replaced_grads = False
-        self._has_rebuilt_buckets = False
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -139,6 +138,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = bool(value)
+
+    @property
+    def _has_rebuilt_buckets(self) -> bool:
+        """torch's attribute: whether the buckets were rebuilt from the observed order."""
+        return self.reducer.has_rebuilt_buckets()
 
     @property
     def _named_trainable(self) -> list[tuple[str, nn.Parameter]]:
@@ -179,8 +183,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             grad_enabled = torch.is_grad_enabled()
             if grad_enabled:
                 self._warn_replaced_grads(self.reducer.prepare_for_forward())
-                if self.reducer.rebuild_buckets():
-                    self._has_rebuilt_buckets = True
+                self.reducer.rebuild_buckets()
             if self.will_sync_module_buffers():
                 self._sync_buffers()
             if self.device_ids:
