@@ -45,6 +45,11 @@ class PyCommHook final : public leanddp::CommHook {
                 "leanddp: a communication hook's future must hold a tensor (or a list with one)");
     return THPVariable_Unpack(value.ptr());
   }
+  bool done(size_t index) override {
+    py::gil_scoped_acquire gil;
+    return index < futures_.size() && futures_[index] &&
+           futures_[index].attr("done")().cast<bool>();
+  }
   void reset() override {
     py::gil_scoped_acquire gil;
     futures_.clear();
@@ -55,6 +60,47 @@ class PyCommHook final : public leanddp::CommHook {
   std::vector<py::object> futures_;
 };
 
+// The in-backward step of buckets the fused kernels do not cover, written in Python:
+// `step(index, params, grads)` (see leanddp.optim).
+class PyStepper final : public leanddp::BucketStepper {
+ public:
+  explicit PyStepper(py::object step) : step_(std::move(step)) {}
+  ~PyStepper() override {
+    py::gil_scoped_acquire gil;
+    step_ = py::object();
+  }
+  void step(size_t index, const std::vector<int64_t>& params,
+            const std::vector<at::Tensor>& grads) override {
+    py::gil_scoped_acquire gil;
+    step_(index, params, grads);
+  }
+
+ private:
+  py::object step_;
+};
+
+// torch's param_group dict -> the fused optimizer's hyper-parameters (keys leanddp.optim sets).
+leanddp::OptimHyper to_hyper(const py::dict& g) {
+  leanddp::OptimHyper h;
+  h.lr = g["lr"].cast<double>();
+  h.beta1 = g["beta1"].cast<double>();
+  h.beta2 = g["beta2"].cast<double>();
+  h.eps = g["eps"].cast<double>();
+  h.weight_decay = g["weight_decay"].cast<double>();
+  h.momentum = g["momentum"].cast<double>();
+  h.dampening = g["dampening"].cast<double>();
+  h.nesterov = g["nesterov"].cast<bool>();
+  h.maximize = g["maximize"].cast<bool>();
+  h.decoupled = g["decoupled"].cast<bool>();
+  return h;
+}
+
+std::vector<leanddp::OptimHyper> to_hypers(const std::vector<py::dict>& groups) {
+  std::vector<leanddp::OptimHyper> out;
+  for (const auto& g : groups) out.push_back(to_hyper(g));
+  return out;
+}
+
 void bind_reducer(py::module_& m) {
   using leanddp::Reducer;
   py::class_<leanddp::MemoryStats>(m, "MemoryStats")
@@ -62,25 +108,29 @@ void bind_reducer(py::module_& m) {
       .def_readonly("grad_bytes", &leanddp::MemoryStats::grad_bytes)
       .def_readonly("grads_as_views", &leanddp::MemoryStats::grads_as_views)
       .def_readonly("grads_outside", &leanddp::MemoryStats::grads_outside)
-      .def_readonly("num_buckets", &leanddp::MemoryStats::num_buckets);
+      .def_readonly("num_buckets", &leanddp::MemoryStats::num_buckets)
+      .def_readonly("optimizer_state_bytes", &leanddp::MemoryStats::optimizer_state_bytes)
+      .def_readonly("peak_bucket_bytes", &leanddp::MemoryStats::peak_bucket_bytes)
+      .def_readonly("max_buckets_in_flight", &leanddp::MemoryStats::max_buckets_in_flight);
   py::class_<Reducer>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        const py::object& process_group, std::vector<int64_t> caps_bytes,
-                       bool gradient_as_bucket_view, bool find_unused_parameters,
-                       bool static_graph) {
+                       bool gradient_as_bucket_view, bool find_unused_parameters, bool static_graph,
+                       bool step_in_backward) {
              auto pg = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
              leanddp::ReducerOptions options;
              options.caps_bytes = std::move(caps_bytes);
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.find_unused_parameters = find_unused_parameters;
              options.static_graph = static_graph;
+             options.step_in_backward = step_in_backward;
              py::gil_scoped_release no_gil;
              return std::make_unique<Reducer>(std::move(params), std::move(names), std::move(pg),
                                               std::move(options));
            }),
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("caps_bytes"),
            py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"),
-           py::arg("static_graph"))
+           py::arg("static_graph"), py::arg("step_in_backward") = false)
       .def("prepare_for_forward", &Reducer::prepare_for_forward,
            py::call_guard<py::gil_scoped_release>())
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
@@ -101,6 +151,39 @@ void bind_reducer(py::module_& m) {
             self.register_comm_hook(std::make_unique<PyCommHook>(std::move(launch)));
           },
           py::arg("launch"))
+      .def(
+          "set_optimizer",
+          [](Reducer& self, const std::string& kind, std::vector<at::Tensor> params,
+             std::vector<int64_t> group_of, const std::vector<py::dict>& groups,
+             const std::string& step_device, py::object fallback) {
+            std::unique_ptr<leanddp::FusedOptimizer> fused;
+            if (!kind.empty()) {
+              TORCH_CHECK(kind == "sgd" || kind == "adam", "set_optimizer: unknown kind ", kind);
+              fused = std::make_unique<leanddp::FusedOptimizer>(
+                  kind == "sgd" ? leanddp::OptimKind::kSgd : leanddp::OptimKind::kAdam,
+                  std::move(params), std::move(group_of), to_hypers(groups),
+                  c10::Device(step_device));
+            }
+            auto stepper = std::make_unique<PyStepper>(std::move(fallback));
+            py::gil_scoped_release no_gil;
+            self.set_optimizer(std::move(fused), std::move(stepper));
+          },
+          py::arg("kind"), py::arg("params"), py::arg("group_of"), py::arg("groups"),
+          py::arg("step_device"), py::arg("fallback"))
+      .def(
+          "set_optimizer_groups",
+          [](Reducer& self, const std::vector<py::dict>& groups) {
+            auto hypers = to_hypers(groups);
+            py::gil_scoped_release no_gil;
+            self.set_optimizer_groups(std::move(hypers));
+          },
+          py::arg("groups"))
+      .def("optimizer_state", &Reducer::optimizer_state, py::arg("param"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("load_optimizer_state", &Reducer::load_optimizer_state, py::arg("param"),
+           py::arg("step"), py::arg("values"), py::call_guard<py::gil_scoped_release>())
+      .def("optimizer_generation", &Reducer::optimizer_generation,
+           py::call_guard<py::gil_scoped_release>())
       .def("memory_stats", &Reducer::memory_stats, py::call_guard<py::gil_scoped_release>())
       .def("bucket_indices", &Reducer::bucket_indices, py::call_guard<py::gil_scoped_release>())
       .def("bucket_bytes", &Reducer::bucket_bytes, py::call_guard<py::gil_scoped_release>())

@@ -45,26 +45,36 @@ std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& 
   return buckets;
 }
 
-Bucket make_bucket(const std::vector<at::Tensor>& params, const std::vector<int64_t>& indices) {
+Bucket make_bucket(const std::vector<at::Tensor>& params, const std::vector<int64_t>& indices,
+                   bool allocate) {
   TORCH_CHECK(!indices.empty(), "make_bucket: empty bucket");
-  const at::Tensor& first = params.at(static_cast<size_t>(indices[0]));
   Bucket b;
   b.params = indices;
-  int64_t total = 0;
   for (int64_t i : indices) {
-    b.offsets.push_back(total);
-    total += params.at(static_cast<size_t>(i)).numel();
+    b.offsets.push_back(b.numel);
+    b.numel += params.at(static_cast<size_t>(i)).numel();
   }
-  b.flat = at::zeros({total}, first.options().requires_grad(false));
-  for (size_t k = 0; k < indices.size(); ++k) {
-    const at::Tensor& p = params[static_cast<size_t>(indices[k])];
+  if (allocate) allocate_bucket(b, params);
+  return b;
+}
+
+void allocate_bucket(Bucket& b, const std::vector<at::Tensor>& params) {
+  const at::Tensor& first = params.at(static_cast<size_t>(b.params.at(0)));
+  b.flat = at::zeros({b.numel}, first.options().requires_grad(false));
+  b.views.clear();
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    const at::Tensor& p = params[static_cast<size_t>(b.params[k])];
     if (p.is_non_overlapping_and_dense()) {
       b.views.push_back(b.flat.as_strided(p.sizes(), p.strides(), b.offsets[k]));
     } else {
       b.views.push_back(b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
     }
   }
-  return b;
+}
+
+void release_bucket(Bucket& b) {
+  b.flat = at::Tensor();
+  b.views.clear();
 }
 
 }  // namespace leanddp

@@ -28,19 +28,32 @@ std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& 
                                                  const std::vector<int64_t>& caps_bytes);
 
 // One bucket: a flat buffer holding the gradients of `params`, densely packed in that order
-// (the layout torch's DDP uses, so a comm hook sees the buffer it expects). Fields other than
-// `pending` are fixed once the bucket is made.
+// (the layout torch's DDP uses, so a comm hook sees the buffer it expects). `params`, `offsets`
+// and `numel` are fixed once the bucket is made; the storage (`flat` and `views`) is held for
+// the bucket's lifetime, except with optimizer_in_backward, where it exists only between a
+// bucket's first gradient and its optimizer step (allocate_bucket / release_bucket).
 struct Bucket {
   at::Tensor flat;                // 1-D, one dtype and device: the communication buffer
   std::vector<int64_t> params;    // parameter indices, in layout order
   std::vector<int64_t> offsets;   // element offset of each parameter's slice in `flat`
   std::vector<at::Tensor> views;  // `flat` seen with each parameter's sizes and strides
+  int64_t numel = 0;              // elements of `flat`
   size_t pending = 0;             // parameters not yet ready in the current backward
+
+  bool allocated() const { return flat.defined(); }
 };
 
-// Allocates a zeroed bucket for `indices` (all of one device and dtype). Views keep each
-// parameter's strides when the parameter is dense and non-overlapping (channels_last stays
-// channels_last), and are contiguous otherwise.
-Bucket make_bucket(const std::vector<at::Tensor>& params, const std::vector<int64_t>& indices);
+// Lays out a bucket for `indices` (all of one device and dtype) and, if `allocate`, gives it
+// zeroed storage.
+Bucket make_bucket(const std::vector<at::Tensor>& params, const std::vector<int64_t>& indices,
+                   bool allocate = true);
+
+// Gives `bucket` zeroed storage and its views. Views keep each parameter's strides when the
+// parameter is dense and non-overlapping (channels_last stays channels_last), and are contiguous
+// otherwise.
+void allocate_bucket(Bucket& bucket, const std::vector<at::Tensor>& params);
+
+// Drops the bucket's storage (returned to the caching allocator once no tensor refers to it).
+void release_bucket(Bucket& bucket);
 
 }  // namespace leanddp

@@ -24,6 +24,8 @@ class CommHook {
   // Blocks until bucket `index`'s reduction is done and returns the reduced tensor (same numel
   // as the buffer; may be the buffer itself). Called from the end-of-backward callback.
   virtual at::Tensor wait(size_t index) = 0;
+  // Whether bucket `index`'s reduction has finished (wait() would not block).
+  virtual bool done(size_t index) = 0;
   // Drops in-flight results without waiting for them to be consumed (after an error).
   virtual void reset() = 0;
 };

@@ -89,13 +89,34 @@ Reducer::~Reducer() {
 
 void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment) {
   buckets_.clear();
+  allocated_bytes_ = 0;
   location_.assign(params_.size(), {0, 0});
   for (const auto& indices : assignment) {
     for (size_t s = 0; s < indices.size(); ++s) {
       location_[static_cast<size_t>(indices[s])] = {buckets_.size(), s};
     }
-    buckets_.push_back(make_bucket(params_, indices));
+    buckets_.push_back(make_bucket(params_, indices, !options_.step_in_backward));
+    if (buckets_.back().allocated()) allocated_bytes_ += buckets_.back().flat.nbytes();
   }
+}
+
+void Reducer::ensure_allocated(size_t bucket_index) {
+  Bucket& bucket = buckets_[bucket_index];
+  if (bucket.allocated()) return;
+  allocate_bucket(bucket, params_);
+  allocated_bytes_ += static_cast<int64_t>(bucket.flat.nbytes());
+  peak_bucket_bytes_ = std::max(peak_bucket_bytes_, allocated_bytes_);
+}
+
+void Reducer::release(size_t bucket_index) {
+  Bucket& bucket = buckets_[bucket_index];
+  for (int64_t p : bucket.params) {
+    params_[static_cast<size_t>(p)].mutable_grad().reset();
+    grad_was_view_[static_cast<size_t>(p)] = 0;
+  }
+  if (!bucket.allocated()) return;
+  allocated_bytes_ -= static_cast<int64_t>(bucket.flat.nbytes());
+  release_bucket(bucket);
 }
 
 bool Reducer::tracks_unused() const {
@@ -112,6 +133,7 @@ void Reducer::reset_iteration_state() {
   unused_marked_ = false;
   recording_order_ = false;
   next_bucket_ = 0;
+  next_step_ = 0;
   ready_.assign(n, 0);
   sources_.assign(n, at::Tensor());
   unused_.clear();
@@ -149,7 +171,7 @@ std::vector<std::string> Reducer::prepare_for_forward() {
     const at::Tensor& grad = params_[i].grad();
     if (!grad.defined()) continue;  // zero_grad(set_to_none=True): the view comes back
     const auto [b, s] = location_[i];
-    if (!is_view(grad, buckets_[b].views[s])) {
+    if (!buckets_[b].allocated() || !is_view(grad, buckets_[b].views[s])) {
       replaced.push_back(names_[i]);
       grad_was_view_[i] = 0;
     }
@@ -161,6 +183,8 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mu_);
   reset_iteration_state();
   armed_ = true;
+  peak_bucket_bytes_ = allocated_bytes_;
+  max_in_flight_ = 0;
   recording_order_ = should_rebuild() && ready_order_.empty();
   if (options_.static_graph) {
     if (iterations_ > 0) unused_ = static_unused_;
@@ -196,6 +220,7 @@ void Reducer::autograd_hook(size_t index) {
     if (!options_.gradient_as_bucket_view) return;
     at::Tensor& grad = params_[index].mutable_grad();
     const auto [b, s] = location_[index];
+    ensure_allocated(b);
     const at::Tensor& view = buckets_[b].views[s];
     if (grad.defined() && !is_view(grad, view)) {
       view.copy_(grad);
@@ -230,13 +255,15 @@ void Reducer::mark_ready(size_t index) {
   Bucket& bucket = buckets_[b];
   const at::Tensor& grad = params_[index].grad();
   if (!grad.defined()) {
+    ensure_allocated(b);
     bucket.views[s].zero_();  // no gradient on this rank: contribute zeros
-  } else if (!is_view(grad, bucket.views[s])) {
+  } else if (!bucket.allocated() || !is_view(grad, bucket.views[s])) {
     sources_[index] = grad;  // copied (and scaled) into the slice at launch
   }
   --bucket.pending;
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     launch(next_bucket_++);
+    max_in_flight_ = std::max(max_in_flight_, static_cast<int64_t>(next_bucket_ - next_step_));
   }
   if (next_bucket_ == buckets_.size() && tracks_unused() && !local_used_work_) {
     const at::Tensor used_cpu =
@@ -245,9 +272,15 @@ void Reducer::mark_ready(size_t index) {
     std::vector<at::Tensor> tensors{local_used_reduced_};
     local_used_work_ = process_group_->allreduce(tensors);
   }
+  // Step what is reduced already, unless this iteration is still learning which parameters
+  // are used (then everything is stepped at the end of backward).
+  if (options_.step_in_backward && !tracks_unused()) {
+    step_reduced_buckets(/*wait=*/false, options_.static_graph ? &static_used_ : nullptr);
+  }
 }
 
 void Reducer::launch(size_t bucket_index) {
+  ensure_allocated(bucket_index);
   Bucket& bucket = buckets_[bucket_index];
   const std::optional<double> scale =
       comm_hook_ ? std::nullopt : std::optional<double>(1.0 / div_factor_);
@@ -262,7 +295,9 @@ void Reducer::launch(size_t bucket_index) {
   if (copies || scale) flatten_into(sources, bucket.flat, scale);
   for (size_t s = 0; s < bucket.params.size(); ++s) {
     const auto p = static_cast<size_t>(bucket.params[s]);
-    if (sources_[p].defined() && options_.gradient_as_bucket_view) {
+    if (sources_[p].defined() && options_.step_in_backward) {
+      params_[p].mutable_grad().reset();  // its value is in the bucket now
+    } else if (sources_[p].defined() && options_.gradient_as_bucket_view) {
       params_[p].mutable_grad() = bucket.views[s];
       grad_was_view_[p] = 1;
     }
@@ -312,18 +347,13 @@ void Reducer::finalize() {
     } else if (options_.static_graph) {
       used = static_used_;
     }
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      Bucket& bucket = buckets_[b];
-      if (comm_hook_) {
-        const at::Tensor result = comm_hook_->wait(b);
-        TORCH_CHECK(result.numel() == bucket.flat.numel(),
-                    "leanddp.DistributedDataParallel: the communication hook returned a tensor of ",
-                    result.numel(), " elements for bucket ", b, " of ", bucket.flat.numel());
-        if (!result.is_same(bucket.flat)) bucket.flat.copy_(result.reshape({-1}));
-      } else {
-        works_[b]->wait();
+    if (options_.step_in_backward) {
+      step_reduced_buckets(/*wait=*/true, &used);
+    } else {
+      for (size_t b = 0; b < buckets_.size(); ++b) {
+        collect_reduced(b);
+        write_reduced_grads(b, used);
       }
-      write_reduced_grads(b, used);
     }
     if (options_.static_graph && iterations_ == 0) {
       static_unused_.clear();
@@ -338,6 +368,53 @@ void Reducer::finalize() {
     abandon_iteration();
     throw;
   }
+}
+
+void Reducer::collect_reduced(size_t index) {
+  Bucket& bucket = buckets_[index];
+  if (!comm_hook_) {
+    works_[index]->wait();
+    return;
+  }
+  const at::Tensor result = comm_hook_->wait(index);
+  TORCH_CHECK(result.numel() == bucket.flat.numel(),
+              "leanddp.DistributedDataParallel: the communication hook returned a tensor of ",
+              result.numel(), " elements for bucket ", index, " of ", bucket.flat.numel());
+  if (!result.is_same(bucket.flat)) bucket.flat.copy_(result.reshape({-1}));
+}
+
+void Reducer::step_reduced_buckets(bool wait, const std::vector<int32_t>* used) {
+  while (next_step_ < next_bucket_) {
+    if (!wait && !(comm_hook_ ? comm_hook_->done(next_step_) : works_[next_step_]->isCompleted())) {
+      break;
+    }
+    step_bucket(next_step_++, used);
+  }
+}
+
+void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
+  collect_reduced(index);
+  Bucket& bucket = buckets_[index];
+  std::vector<char> mask(bucket.params.size(), 1);
+  if (used != nullptr) {
+    for (size_t s = 0; s < mask.size(); ++s) {
+      mask[s] = (*used)[static_cast<size_t>(bucket.params[s])] != 0;
+    }
+  }
+  if (fused_ && fused_->can_step(bucket)) {
+    fused_->step(index, bucket, mask);
+  } else {
+    TORCH_CHECK(fallback_, "leanddp.DistributedDataParallel: no optimizer for bucket ", index);
+    std::vector<int64_t> members;
+    std::vector<at::Tensor> grads;
+    for (size_t s = 0; s < mask.size(); ++s) {
+      if (!mask[s]) continue;
+      members.push_back(bucket.params[s]);
+      grads.push_back(bucket.views[s]);
+    }
+    if (!members.empty()) fallback_->step(index, members, grads);
+  }
+  release(index);
 }
 
 void Reducer::write_reduced_grads(size_t bucket_index, const std::vector<int32_t>& used) {
@@ -401,12 +478,15 @@ bool Reducer::rebuild_buckets() {
     seen[static_cast<size_t>(i)] = 1;
   }
   at::NoGradGuard no_grad;
+  const std::vector<Bucket> old_buckets = std::move(buckets_);
   build_buckets(assign_buckets(params_, order, options_.caps_bytes));
+  if (fused_) fused_->relayout(old_buckets, buckets_);
   if (options_.gradient_as_bucket_view) {
     for (size_t i = 0; i < n; ++i) {
       at::Tensor& grad = params_[i].mutable_grad();
       if (!grad.defined()) continue;
       const auto [b, s] = location_[i];
+      ensure_allocated(b);
       buckets_[b].views[s].copy_(grad);
       grad = buckets_[b].views[s];
       grad_was_view_[i] = 1;
@@ -437,16 +517,60 @@ void Reducer::register_comm_hook(std::unique_ptr<CommHook> hook) {
   comm_hook_ = std::move(hook);
 }
 
+void Reducer::set_optimizer(std::unique_ptr<FusedOptimizer> fused,
+                            std::unique_ptr<BucketStepper> fallback) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(options_.step_in_backward,
+              "leanddp.DistributedDataParallel: the Reducer was not built for "
+              "optimizer_in_backward");
+  TORCH_CHECK(iterations_ == 0 && !armed_,
+              "leanddp.DistributedDataParallel: the in-backward optimizer must be set before the "
+              "first backward");
+  fused_ = std::move(fused);
+  fallback_ = std::move(fallback);
+}
+
+void Reducer::set_optimizer_groups(std::vector<OptimHyper> groups) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (fused_) fused_->set_groups(std::move(groups));
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Reducer::optimizer_state(size_t p) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(p < params_.size(), "Reducer: no parameter ", p);
+  if (!fused_) return {};
+  const auto [b, s] = location_[p];
+  if (!fused_->can_step(buckets_[b])) return {};
+  return fused_->state(p, b, buckets_[b], s);
+}
+
+void Reducer::load_optimizer_state(size_t p, int64_t step, const std::vector<at::Tensor>& values) {
+  at::NoGradGuard no_grad;
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(p < params_.size(), "Reducer: no parameter ", p);
+  TORCH_CHECK(fused_, "Reducer: no fused optimizer");
+  const auto [b, s] = location_[p];
+  fused_->load_state(p, b, buckets_[b], s, step, values);
+}
+
+int64_t Reducer::optimizer_generation() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return fused_ ? fused_->generation() : 0;
+}
+
 MemoryStats Reducer::memory_stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   MemoryStats stats;
   stats.num_buckets = static_cast<int64_t>(buckets_.size());
-  for (const Bucket& b : buckets_) stats.bucket_bytes += b.flat.nbytes();
+  stats.bucket_bytes = allocated_bytes_;
+  stats.optimizer_state_bytes = fused_ ? fused_->state_bytes() : 0;
+  stats.peak_bucket_bytes = peak_bucket_bytes_;
+  stats.max_buckets_in_flight = max_in_flight_;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& grad = params_[i].grad();
     if (!grad.defined()) continue;
     const auto [b, s] = location_[i];
-    if (is_view(grad, buckets_[b].views[s])) {
+    if (buckets_[b].allocated() && is_view(grad, buckets_[b].views[s])) {
       ++stats.grads_as_views;
     } else {
       ++stats.grads_outside;
@@ -466,7 +590,10 @@ std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
 std::vector<int64_t> Reducer::bucket_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int64_t> out;
-  for (const Bucket& b : buckets_) out.push_back(static_cast<int64_t>(b.flat.nbytes()));
+  for (const Bucket& b : buckets_) {
+    out.push_back(b.numel *
+                  static_cast<int64_t>(params_[static_cast<size_t>(b.params[0])].element_size()));
+  }
   return out;
 }
 

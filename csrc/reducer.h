@@ -5,12 +5,19 @@
 // the bucket is complete (in bucket order, identical on every rank), and finishes the iteration
 // from an autograd-engine callback queued at the first hook of a backward.
 //
+// With optimizer_in_backward (ReducerOptions::step_in_backward) it also steps each bucket's
+// parameters as soon as the bucket's reduction is complete (checked at every hook, and at the
+// end of backward) and then releases the bucket's gradient memory: param.grad becomes None and
+// the flat buffer is freed, to be allocated again at the bucket's next gradient.
+//
 // Threading: hooks and the final callback run on autograd's threads; the Python-facing methods
 // run on the caller's thread with the GIL released. All mutable state is guarded by `mu_`.
 #pragma once
 
 #include "bucket.h"
 #include "comm_hook.h"
+#include "fused_optim.h"
+#include "stepper.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
@@ -18,6 +25,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -34,6 +42,8 @@ struct ReducerOptions {
   bool find_unused_parameters = false;
   // The set of used parameters is the same every iteration: found once, in the first one.
   bool static_graph = false;
+  // optimizer_in_backward: buckets are stepped (set_optimizer) and released inside backward.
+  bool step_in_backward = false;
 };
 
 // Bytes the Reducer accounts for (see Reducer::memory_stats()).
@@ -43,6 +53,11 @@ struct MemoryStats {
   int64_t grads_as_views = 0;  // parameters whose grad is a view into its bucket
   int64_t grads_outside = 0;   // parameters whose grad is a tensor of its own
   int64_t num_buckets = 0;
+  int64_t optimizer_state_bytes = 0;  // the fused in-backward optimizer's state
+  // During the last synchronized backward: the most bucket bytes allocated at once, and the
+  // most buckets launched but not yet stepped (optimizer_in_backward).
+  int64_t peak_bucket_bytes = 0;
+  int64_t max_buckets_in_flight = 0;
 };
 
 class Reducer {
@@ -82,6 +97,19 @@ class Reducer {
   // Replaces the built-in allreduce by `hook` (before the first backward).
   void register_comm_hook(std::unique_ptr<CommHook> hook);
 
+  // optimizer_in_backward (before the first backward): buckets the fused optimizer can step
+  // (`fused`, may be null) are stepped in C++, the others by `fallback`.
+  void set_optimizer(std::unique_ptr<FusedOptimizer> fused,
+                     std::unique_ptr<BucketStepper> fallback);
+  // The fused optimizer's live hyper-parameters, one per group (called at each forward).
+  void set_optimizer_groups(std::vector<OptimHyper> groups);
+  // Parameter p's fused optimizer state in torch's format (empty if none, or not fused).
+  std::vector<std::pair<std::string, at::Tensor>> optimizer_state(size_t p) const;
+  // Loads parameter p's fused optimizer state (see FusedOptimizer::load_state).
+  void load_optimizer_state(size_t p, int64_t step, const std::vector<at::Tensor>& values);
+  // Changes when the fused optimizer's state tensors are created, moved or loaded.
+  int64_t optimizer_generation() const;
+
   MemoryStats memory_stats() const;
   // Parameter indices per bucket, in launch order.
   std::vector<std::vector<int64_t>> bucket_indices() const;
@@ -102,10 +130,20 @@ class Reducer {
   // Waits for everything in flight, ignoring errors, and disarms (after an error).
   void abandon_iteration();
   void reset_iteration_state();
+  // Lays out new buckets (storage allocated unless step_in_backward).
   void build_buckets(const std::vector<std::vector<int64_t>>& assignment);
   bool tracks_unused() const;  // this iteration learns which parameters are globally unused
   bool should_rebuild() const;
   void write_reduced_grads(size_t bucket_index, const std::vector<int32_t>& used);
+  // Waits for bucket `index`'s reduction and leaves the averaged result in its flat buffer.
+  void collect_reduced(size_t index);
+  // optimizer_in_backward: steps every launched bucket whose reduction is complete (all of them,
+  // waiting, if `wait`), in launch order, then releases them. `used`: the per-parameter
+  // "globally used" verdict (null: all used); parameters not used are not stepped.
+  void step_reduced_buckets(bool wait, const std::vector<int32_t>* used);
+  void step_bucket(size_t index, const std::vector<int32_t>* used);
+  void ensure_allocated(size_t bucket_index);
+  void release(size_t bucket_index);
 
   // Fixed at construction.
   std::vector<at::Tensor> params_;
@@ -124,6 +162,8 @@ class Reducer {
   bool has_rebuilt_ = false;
   std::vector<int64_t> ready_order_;  // first synchronized backward's readiness order
   std::unique_ptr<CommHook> comm_hook_;
+  std::unique_ptr<FusedOptimizer> fused_;    // optimizer_in_backward, fused buckets
+  std::unique_ptr<BucketStepper> fallback_;  // optimizer_in_backward, the other buckets
 
   // Per synchronized backward; reset by prepare_for_backward().
   bool armed_ = false;  // hooks count readiness (false: no_sync / no forward)
@@ -131,6 +171,7 @@ class Reducer {
   bool unused_marked_ = false;    // parameters found unused were marked ready
   bool recording_order_ = false;  // this backward's readiness order feeds the rebuild
   size_t next_bucket_ = 0;        // next bucket to launch
+  size_t next_step_ = 0;          // next bucket to step (optimizer_in_backward)
   std::vector<char> ready_;
   std::vector<at::Tensor> sources_;  // per param: the tensor to copy into its slice at launch
   std::vector<int64_t> unused_;      // parameters this iteration expects no gradient for
@@ -138,6 +179,11 @@ class Reducer {
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;  // per launched bucket
   at::Tensor local_used_reduced_;                      // the allreduced local_used_ (when tracked)
   c10::intrusive_ptr<c10d::Work> local_used_work_;
+
+  // Bucket bytes allocated now, and the most during the current/last synchronized backward.
+  int64_t allocated_bytes_ = 0;
+  int64_t peak_bucket_bytes_ = 0;
+  int64_t max_in_flight_ = 0;
 
   // Across iterations.
   int64_t iterations_ = 0;

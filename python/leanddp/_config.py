@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -51,6 +51,8 @@ class DDPConfig:
     """Accepted for compatibility: leanddp always copies a bucket's gradients in one pass."""
     ignored_names: tuple[str, ...]
     """Names in ``module._ddp_params_and_buffers_to_ignore``: neither synced nor reduced."""
+    optimizer_in_backward: Callable[..., torch.optim.Optimizer] | None = None
+    """Factory of the optimizer stepped bucket by bucket inside backward (None: off)."""
 
     def without_group(self) -> DDPConfig:
         """A picklable copy (process groups do not pickle)."""
@@ -68,9 +70,7 @@ _UNSUPPORTED = {
 }
 
 _LATER = {
-    "optimizer_in_backward": (None, "optimizer_in_backward (stepping buckets inside backward)"),
     "offload_to_cpu": (False, "offload_to_cpu (optimizer state in pinned host memory)"),
-    "max_grad_norm": (None, "max_grad_norm (exact clipping with offload_to_cpu)"),
     "check_for_nan_in_grad": (False, "check_for_nan_in_grad"),
 }
 
@@ -154,6 +154,21 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
     for name, (default, feature) in _LATER.items():
         if kw[name] != default:
             _fail(f"{feature} is not implemented yet", NotImplementedError)
+    factory = kw["optimizer_in_backward"]
+    if factory is not None and not callable(factory):
+        _fail(
+            "optimizer_in_backward must be a callable that takes parameters and returns a "
+            f"torch.optim.Optimizer (e.g. functools.partial(torch.optim.AdamW, lr=1e-3)), got "
+            f"{type(factory).__name__}",
+            TypeError,
+        )
+    if kw["max_grad_norm"] is not None:
+        _fail(
+            "max_grad_norm needs optimizer_in_backward with offload_to_cpu=True: stepping "
+            "bucket by bucket on the device, a bucket is stepped before the global gradient "
+            "norm is known, so clipping could not be exact. Without optimizer_in_backward, clip "
+            "with torch.nn.utils.clip_grad_norm_ before optimizer.step() as usual"
+        )
     for name in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "init_sync"):
         if not isinstance(kw[name], bool):
             _fail(f"{name} must be a bool, got {kw[name]!r}", TypeError)
@@ -195,4 +210,5 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
         static_graph=kw["static_graph"],
         batched_grad_copy=bool(kw["batched_grad_copy"]),
         ignored_names=ignored,
+        optimizer_in_backward=factory,
     )

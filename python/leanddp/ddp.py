@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.nn.parallel.distributed import _find_tensors
 
-from . import _comm
+from . import _comm, optim
 from ._collectives import broadcast_from_rank0, verify_same_parameters
 from ._config import DDPConfig, check_arguments
 from ._extension import _C
@@ -28,9 +28,16 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     bytes once. It never builds torch's reducer: hooks, bucketing and the asynchronous
     allreduce run in leanddp's C++ Reducer (``self.reducer``) on the process group given.
 
-    Keyword-only additions (arriving in later releases; a non-default value raises
-    NotImplementedError now): ``optimizer_in_backward``, ``offload_to_cpu``,
-    ``max_grad_norm``, ``check_for_nan_in_grad``.
+    ``optimizer_in_backward``: a factory such as
+    ``functools.partial(torch.optim.AdamW, lr=1e-3)``, called with ``module.parameters()``.
+    Each bucket is then stepped as soon as its reduction finishes, still inside backward, and
+    its gradient memory is released (``param.grad`` is None afterwards). The optimizer it
+    returns is ``self.optimizer``: LR schedulers and checkpoints use it as usual, and its
+    ``step()`` does nothing (see docs/ddp.md).
+
+    Keyword-only additions arriving in later releases (a non-default value raises
+    NotImplementedError now): ``offload_to_cpu``, ``check_for_nan_in_grad``;
+    ``max_grad_norm`` needs ``offload_to_cpu``.
 
     Construction broadcasts parameters and buffers from rank 0 and checks that every rank
     holds the same parameters (a collective every rank must enter), unless
@@ -95,6 +102,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.module = module
         self._set_config(config)
         self.process_group = config.process_group
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._in_backward: optim.InBackward | None = None
+        if config.optimizer_in_backward is not None:
+            named = self._named_trainable
+            optimizer, group_of = optim.build_optimizer(config.optimizer_in_backward, module, named)
+            self.optimizer = optimizer
+            self._in_backward = optim.InBackward(self, optimizer, group_of, [p for _, p in named])
         if config.init_sync:
             verify_same_parameters(self._named_trainable, self.process_group)
             state = [
@@ -170,7 +184,10 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.gradient_as_bucket_view,
             self.find_unused_parameters,
             self.static_graph,
+            self._in_backward is not None,
         )
+        if self._in_backward is not None:
+            self._in_backward.attach(self.reducer)
         for hook, state in self._comm_hooks:
             self._attach_comm_hook(hook, state)
 
@@ -184,6 +201,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             if grad_enabled:
                 self._warn_replaced_grads(self.reducer.prepare_for_forward())
                 self.reducer.rebuild_buckets()
+                if self._in_backward is not None:
+                    self._in_backward.before_forward()
             if self.will_sync_module_buffers():
                 self._sync_buffers()
             if self.device_ids:
@@ -248,8 +267,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     def _register_fused_optim(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(
-            "leanddp.DistributedDataParallel: _register_fused_optim is not supported; use the "
-            "optimizer_in_backward argument (coming in a later release)."
+            "leanddp.DistributedDataParallel: _register_fused_optim is not supported; pass "
+            "optimizer_in_backward=<optimizer factory> to the constructor instead."
         )
 
     def join(self, *args: Any, **kwargs: Any) -> Any:
@@ -265,17 +284,24 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         return self.join()
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes held for gradients: ``bucket_bytes`` (the flat buckets), ``grad_bytes``
-        (gradients held outside the buckets), ``param_bytes`` (trainable parameters), and the
-        counts ``grads_as_views``, ``grads_outside`` and ``num_buckets``."""
+        """Bytes held now: ``param_bytes`` (trainable parameters), ``bucket_bytes`` (flat
+        buckets allocated), ``grad_bytes`` (gradients held outside the buckets),
+        ``optimizer_state_bytes`` (``self.optimizer``'s state; 0 without
+        optimizer_in_backward); the counts ``grads_as_views``, ``grads_outside`` and
+        ``num_buckets``; and, for the last synchronized backward, ``peak_bucket_bytes`` (most
+        bucket bytes allocated at once) and ``max_buckets_in_flight`` (most buckets reduced or
+        reducing but not yet stepped, with optimizer_in_backward)."""
         s = self.reducer.memory_stats()
         return {
             "param_bytes": sum(p.numel() * p.element_size() for p in self._params),
             "bucket_bytes": s.bucket_bytes,
             "grad_bytes": s.grad_bytes,
+            "optimizer_state_bytes": self._in_backward.state_bytes() if self._in_backward else 0,
             "grads_as_views": s.grads_as_views,
             "grads_outside": s.grads_outside,
             "num_buckets": s.num_buckets,
+            "peak_bucket_bytes": s.peak_bucket_bytes,
+            "max_buckets_in_flight": s.max_buckets_in_flight,
         }
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
@@ -305,6 +331,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     # pickling: the C++ state is rebuilt, on the default process group (torch's rule)
 
     def __getstate__(self) -> dict[str, Any]:
+        if self._in_backward is not None:
+            raise RuntimeError(
+                "leanddp.DistributedDataParallel with optimizer_in_backward cannot be pickled; "
+                "checkpoint ddp.state_dict() and ddp.optimizer.state_dict() instead."
+            )
         if self.process_group is not dist.distributed_c10d._get_default_group():
             raise RuntimeError(
                 "leanddp.DistributedDataParallel can be pickled only when it uses the default "

@@ -1,0 +1,208 @@
+#include "fused_optim.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+
+#include <map>
+#include <optional>
+
+namespace leanddp {
+namespace {
+
+void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
+               at::TensorList exp_avg_sq, const OptimHyper& h, int64_t step) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("leanddp::adam_step_", "")
+                       .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                                   at::TensorList, double, double, double, double, double, int64_t,
+                                   bool, bool, std::optional<double>)>();
+  op.call(params, grads, exp_avg, exp_avg_sq, {}, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+          step, h.decoupled, h.maximize, std::nullopt);
+}
+
+void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
+              const OptimHyper& h, bool first_step) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("leanddp::sgd_step_", "")
+          .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, double,
+                      double, double, bool, double, bool, bool, std::optional<double>)>();
+  op.call(params, grads, momentum_buffer, {}, h.lr, h.momentum, h.dampening, h.nesterov,
+          h.weight_decay, h.maximize, first_step, std::nullopt);
+}
+
+}  // namespace
+
+FusedOptimizer::FusedOptimizer(OptimKind kind, std::vector<at::Tensor> params,
+                               std::vector<int64_t> group_of, std::vector<OptimHyper> groups,
+                               c10::Device step_device)
+    : kind_(kind),
+      params_(std::move(params)),
+      group_of_(std::move(group_of)),
+      step_device_(step_device),
+      steps_(params_.size(), 0),
+      step_tensors_(params_.size()) {
+  TORCH_CHECK(group_of_.size() == params_.size(), "FusedOptimizer: one group per parameter");
+  set_groups(std::move(groups));
+}
+
+void FusedOptimizer::set_groups(std::vector<OptimHyper> groups) {
+  for (int64_t g : group_of_) {
+    TORCH_CHECK(g >= 0 && static_cast<size_t>(g) < groups.size(),
+                "FusedOptimizer: parameter group ", g, " has no hyper-parameters");
+  }
+  groups_ = std::move(groups);
+}
+
+size_t FusedOptimizer::num_buffers(int64_t group) const {
+  if (kind_ == OptimKind::kAdam) return 2;
+  return groups_[static_cast<size_t>(group)].momentum != 0.0 ? 1 : 0;
+}
+
+bool FusedOptimizer::can_step(const Bucket& bucket) const {
+  for (int64_t p : bucket.params) {
+    const at::Tensor& param = params_[static_cast<size_t>(p)];
+    if (param.scalar_type() != at::kFloat || !param.is_contiguous()) return false;
+  }
+  return true;
+}
+
+void FusedOptimizer::ensure_state(size_t index, const Bucket& bucket, size_t buffers) {
+  if (flats_.size() <= index) flats_.resize(index + 1);
+  auto& flats = flats_[index];
+  if (flats.size() >= buffers) return;
+  const at::Tensor& first = params_[static_cast<size_t>(bucket.params.at(0))];
+  while (flats.size() < buffers) {
+    flats.push_back(at::zeros({bucket.numel}, first.options().requires_grad(false)));
+  }
+  ++generation_;
+}
+
+at::Tensor FusedOptimizer::state_view(size_t index, const Bucket& bucket, size_t slot,
+                                      size_t k) const {
+  const at::Tensor& p = params_[static_cast<size_t>(bucket.params[slot])];
+  return flats_[index][k].narrow(0, bucket.offsets[slot], p.numel()).view(p.sizes());
+}
+
+void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<char>& mask) {
+  // Members sharing a group and (Adam) a step count, or (SGD) whether their momentum buffer is
+  // fresh, are stepped by one kernel launch.
+  std::map<std::pair<int64_t, int64_t>, std::vector<size_t>> calls;
+  size_t buffers = 0;
+  for (size_t s = 0; s < bucket.params.size(); ++s) {
+    if (!mask[s]) continue;
+    const auto p = static_cast<size_t>(bucket.params[s]);
+    const int64_t g = group_of_[p];
+    buffers = std::max(buffers, num_buffers(g));
+    const int64_t key = kind_ == OptimKind::kAdam ? steps_[p] + 1 : int64_t{steps_[p] == 0};
+    calls[{g, key}].push_back(s);
+  }
+  if (calls.empty()) return;
+  ensure_state(index, bucket, buffers);
+  std::vector<at::Tensor> counters;
+  for (const auto& [key, slots] : calls) {
+    const OptimHyper& h = groups_[static_cast<size_t>(key.first)];
+    const size_t nbuf = num_buffers(key.first);
+    std::vector<at::Tensor> params, grads;
+    std::vector<std::vector<at::Tensor>> state(nbuf);
+    for (size_t s : slots) {
+      params.push_back(params_[static_cast<size_t>(bucket.params[s])]);
+      grads.push_back(bucket.views[s]);
+      for (size_t k = 0; k < nbuf; ++k) state[k].push_back(state_view(index, bucket, s, k));
+    }
+    if (kind_ == OptimKind::kAdam) {
+      adam_step(params, grads, state[0], state[1], h, key.second);
+    } else {
+      sgd_step(params, grads, nbuf ? state[0] : std::vector<at::Tensor>{}, h, key.second != 0);
+    }
+    for (size_t s : slots) {
+      const auto p = static_cast<size_t>(bucket.params[s]);
+      if (steps_[p]++ == 0) ++generation_;  // a parameter's state appears
+      if (kind_ != OptimKind::kAdam) continue;
+      if (step_tensors_[p].defined()) {
+        counters.push_back(step_tensors_[p]);
+      } else {
+        step_tensors_[p] =
+            at::scalar_tensor(1.0, at::TensorOptions(at::kFloat).device(step_device_));
+      }
+    }
+  }
+  if (!counters.empty()) at::_foreach_add_(counters, 1.0);
+}
+
+void FusedOptimizer::relayout(const std::vector<Bucket>& old_buckets,
+                              const std::vector<Bucket>& new_buckets) {
+  std::vector<std::pair<size_t, size_t>> old_at(params_.size(), {SIZE_MAX, 0});
+  for (size_t b = 0; b < old_buckets.size(); ++b) {
+    for (size_t s = 0; s < old_buckets[b].params.size(); ++s) {
+      old_at[static_cast<size_t>(old_buckets[b].params[s])] = {b, s};
+    }
+  }
+  std::vector<std::vector<at::Tensor>> old_flats = std::move(flats_);
+  flats_.assign(new_buckets.size(), {});
+  for (size_t b = 0; b < new_buckets.size(); ++b) {
+    const Bucket& bucket = new_buckets[b];
+    size_t buffers = 0;
+    for (int64_t p : bucket.params) {
+      const auto [ob, os] = old_at[static_cast<size_t>(p)];
+      if (ob < old_flats.size()) buffers = std::max(buffers, old_flats[ob].size());
+    }
+    if (buffers == 0) continue;
+    ensure_state(b, bucket, buffers);
+    for (size_t s = 0; s < bucket.params.size(); ++s) {
+      const auto [ob, os] = old_at[static_cast<size_t>(bucket.params[s])];
+      if (ob >= old_flats.size()) continue;
+      for (size_t k = 0; k < old_flats[ob].size(); ++k) {
+        const Bucket& old_bucket = old_buckets[ob];
+        const at::Tensor& p = params_[static_cast<size_t>(bucket.params[s])];
+        state_view(b, bucket, s, k)
+            .copy_(old_flats[ob][k].narrow(0, old_bucket.offsets[os], p.numel()).view(p.sizes()));
+      }
+    }
+  }
+  ++generation_;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state(size_t p, size_t index,
+                                                                      const Bucket& bucket,
+                                                                      size_t slot) const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  const size_t nbuf = num_buffers(group_of_[p]);
+  if (steps_[p] == 0 || index >= flats_.size() || flats_[index].size() < nbuf) return out;
+  if (kind_ == OptimKind::kAdam) {
+    out.emplace_back("step", step_tensors_[p]);
+    out.emplace_back("exp_avg", state_view(index, bucket, slot, 0));
+    out.emplace_back("exp_avg_sq", state_view(index, bucket, slot, 1));
+  } else if (nbuf == 1) {
+    out.emplace_back("momentum_buffer", state_view(index, bucket, slot, 0));
+  }
+  return out;
+}
+
+void FusedOptimizer::load_state(size_t p, size_t index, const Bucket& bucket, size_t slot,
+                                int64_t step, const std::vector<at::Tensor>& values) {
+  const size_t nbuf = num_buffers(group_of_[p]);
+  TORCH_CHECK(step >= 0, "FusedOptimizer: negative step count");
+  ++generation_;
+  steps_[p] = step;
+  step_tensors_[p] = at::Tensor();
+  if (step == 0) return;
+  TORCH_CHECK(values.size() == nbuf, "FusedOptimizer: expected ", nbuf, " state tensors, got ",
+              values.size());
+  ensure_state(index, bucket, nbuf);
+  for (size_t k = 0; k < nbuf; ++k) state_view(index, bucket, slot, k).copy_(values[k]);
+  if (kind_ == OptimKind::kAdam) {
+    step_tensors_[p] = at::scalar_tensor(static_cast<double>(step),
+                                         at::TensorOptions(at::kFloat).device(step_device_));
+  }
+}
+
+int64_t FusedOptimizer::state_bytes() const {
+  int64_t total = 0;
+  for (const auto& flats : flats_) {
+    for (const auto& f : flats) total += static_cast<int64_t>(f.nbytes());
+  }
+  return total;
+}
+
+}  // namespace leanddp

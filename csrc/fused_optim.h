@@ -1,0 +1,86 @@
+// FusedOptimizer: torch.optim.SGD / Adam / AdamW stepped bucket by bucket inside backward
+// (optimizer_in_backward), with leanddp's fused kernels over the bucket's flat gradient memory.
+//
+// It owns the optimizer state in torch's format but laid out like the buckets: one flat float32
+// buffer per state kind per bucket (exp_avg and exp_avg_sq for Adam, momentum_buffer for SGD),
+// allocated at the bucket's first step, so a bucket's step is one kernel launch per parameter
+// group. Per parameter it keeps torch's `step` tensor (Adam). Python exposes the per-parameter
+// views as the `state` of the user's torch optimizer, so checkpoints have torch's format.
+//
+// Not thread-safe: the Reducer calls every method with its lock held.
+#pragma once
+
+#include "bucket.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace leanddp {
+
+enum class OptimKind { kSgd, kAdam };
+
+// The live hyper-parameters of one parameter group (torch's param_groups[i]).
+struct OptimHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  bool nesterov = false;
+  bool maximize = false;
+  bool decoupled = false;  // AdamW's decoupled weight decay (else Adam's L2 term)
+};
+
+class FusedOptimizer {
+ public:
+  // `params`: the Reducer's parameters; `group_of[p]`: the parameter group of parameter p.
+  // `step_device`: where Adam's per-parameter `step` tensors live (torch keeps them on the
+  // parameter's device for fused or capturable Adam, on the CPU otherwise).
+  FusedOptimizer(OptimKind kind, std::vector<at::Tensor> params, std::vector<int64_t> group_of,
+                 std::vector<OptimHyper> groups, c10::Device step_device);
+
+  // Replaces the hyper-parameters (one per group), read by the next steps.
+  void set_groups(std::vector<OptimHyper> groups);
+  // Whether the kernels can step this bucket: float32, contiguous parameters.
+  bool can_step(const Bucket& bucket) const;
+  // Steps the members of bucket `index` whose `mask[slot]` is set, with the averaged gradients
+  // in the bucket's views; allocates the bucket's state at its first step.
+  void step(size_t index, const Bucket& bucket, const std::vector<char>& mask);
+  // The buckets were rebuilt: moves the state into the new layout.
+  void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);
+
+  // torch's state entries of parameter p (slot `slot` of bucket `index`), in torch's key order;
+  // empty before its first step.
+  std::vector<std::pair<std::string, at::Tensor>> state(size_t p, size_t index,
+                                                        const Bucket& bucket, size_t slot) const;
+  // Sets parameter p's state from a checkpoint: `step` updates taken (0: no state) and the
+  // values of its state tensors in state()'s order (the step tensor excluded).
+  void load_state(size_t p, size_t index, const Bucket& bucket, size_t slot, int64_t step,
+                  const std::vector<at::Tensor>& values);
+  // Changes whenever state tensors are created, moved or loaded (Python then refreshes its view).
+  int64_t generation() const { return generation_; }
+  int64_t state_bytes() const;
+
+ private:
+  size_t num_buffers(int64_t group) const;  // state buffers a parameter of this group needs
+  void ensure_state(size_t index, const Bucket& bucket, size_t buffers);
+  at::Tensor state_view(size_t index, const Bucket& bucket, size_t slot, size_t k) const;
+
+  OptimKind kind_;
+  std::vector<at::Tensor> params_;  // fixed
+  std::vector<int64_t> group_of_;   // fixed
+  std::vector<OptimHyper> groups_;
+  c10::Device step_device_;
+  std::vector<std::vector<at::Tensor>> flats_;  // per bucket: its state buffers (may be empty)
+  std::vector<int64_t> steps_;                  // per parameter: updates taken
+  std::vector<at::Tensor> step_tensors_;        // per parameter (Adam): torch's `step`
+  int64_t generation_ = 0;
+};
+
+}  // namespace leanddp

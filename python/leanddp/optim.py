@@ -1,0 +1,379 @@
+"""optimizer_in_backward: the user's torch optimizer, stepped bucket by bucket inside backward.
+
+The optimizer the user's factory returns becomes ``ddp.optimizer``. It stays an instance of
+its class (its class is swapped for a subclass whose ``step()`` does nothing, because the real
+steps happen inside backward), so its ``param_groups`` are the live hyper-parameters an LR
+scheduler changes and its ``state_dict()`` has exactly torch's format.
+
+* torch.optim.SGD, Adam and AdamW with options leanddp's fused kernels cover are stepped in
+  C++ (``FusedOptimizer`` in csrc/fused_optim.h) on float32 buckets: their state lives in flat
+  per-bucket buffers, and ``optimizer.state`` holds views of it.
+* Every other case (another class, an option the kernels lack, a non-float32 or non-contiguous
+  parameter) is stepped by a per-bucket instance of the user's class over that bucket's
+  parameters, sharing ``optimizer.state`` (:class:`_FallbackStepper`).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+_FUSED_KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
+
+
+def _fail(message: str, cls: type[Exception] = ValueError) -> None:
+    raise cls(f"leanddp.DistributedDataParallel: optimizer_in_backward: {message}")
+
+
+def build_optimizer(
+    factory: Callable[..., torch.optim.Optimizer],
+    module: nn.Module,
+    trainable: Sequence[tuple[str, nn.Parameter]],
+) -> tuple[torch.optim.Optimizer, list[int]]:
+    """Calls ``factory(module.parameters())`` and checks what it returns: a torch optimizer
+    holding every trainable parameter exactly once and no other parameter that requires a
+    gradient. Returns it and, per trainable parameter, the index of its param group."""
+    optimizer = factory(module.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        _fail(
+            f"the factory must return a torch.optim.Optimizer, got {type(optimizer).__name__}",
+            TypeError,
+        )
+    index = {id(p): i for i, (_, p) in enumerate(trainable)}
+    names = {id(p): n for n, p in module.named_parameters()}
+    group_of = [-1] * len(trainable)
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            i = index.get(id(p))
+            if i is None:
+                if p.requires_grad:
+                    _fail(
+                        f"the optimizer holds parameter {names.get(id(p), '(not in the module)')!r}"
+                        ", which DistributedDataParallel does not train (it would never be "
+                        "stepped); build the optimizer over the wrapped module's parameters"
+                    )
+                continue
+            if group_of[i] >= 0:
+                _fail(f"parameter {trainable[i][0]!r} is in more than one param group")
+            group_of[i] = g
+    missing = [trainable[i][0] for i, g in enumerate(group_of) if g < 0]
+    if missing:
+        _fail(
+            f"the optimizer does not hold parameter {missing[0]!r}"
+            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}: every parameter "
+            "that requires a gradient must be optimized (freeze the others with "
+            "requires_grad_(False) before wrapping)"
+        )
+    return optimizer, group_of
+
+
+def fused_kind(optimizer: torch.optim.Optimizer) -> str:
+    """ "sgd" or "adam" when leanddp's fused kernels can step this optimizer, else ""."""
+    kind = _FUSED_KINDS.get(type(optimizer), "")
+    for group in optimizer.param_groups:
+        if group.get("differentiable") or group.get("amsgrad"):
+            return ""
+    return kind
+
+
+def _hyper(group: dict[str, Any], cls: type) -> dict[str, Any]:
+    """A param group's hyper-parameters in the fused optimizer's terms."""
+    beta1, beta2 = group.get("betas", (0.9, 0.999))
+    return dict(
+        lr=float(group["lr"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(group.get("eps", 1e-8)),
+        weight_decay=float(group.get("weight_decay", 0.0)),
+        momentum=float(group.get("momentum", 0.0)),
+        dampening=float(group.get("dampening", 0.0)),
+        nesterov=bool(group.get("nesterov", False)),
+        maximize=bool(group.get("maximize", False)),
+        decoupled=cls is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False)),
+    )
+
+
+class InBackward:
+    """Connects ``ddp.optimizer`` to the Reducer: pushes hyper-parameters before each forward,
+    exposes the fused state as ``optimizer.state`` and loads checkpoints into it."""
+
+    def __init__(
+        self,
+        ddp: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        group_of: list[int],
+        params: list[nn.Parameter],
+    ) -> None:
+        self._ddp = weakref.ref(ddp)  # the Reducer holds the optimizer: no cycle through C++
+        self.optimizer = optimizer
+        self.cls = _base_class(optimizer)
+        self.kind = fused_kind(optimizer)
+        self.params = params
+        self.group_of = group_of
+        self.fused = [
+            bool(self.kind) and p.dtype == torch.float32 and p.is_contiguous() for p in params
+        ]
+        self._generation = -1
+        on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
+        self.step_device = str(params[0].device) if on_device else "cpu"
+        _make_facade(optimizer, self)
+        guard_clipping(params)
+
+    @property
+    def reducer(self) -> Any:
+        ddp = self._ddp()
+        return None if ddp is None else ddp.reducer
+
+    def attach(self, reducer: Any) -> None:
+        """Hands the optimizer to a (new) Reducer; state already in ``optimizer.state`` moves
+        into it."""
+        reducer.set_optimizer(
+            self.kind,
+            self.params,
+            self.group_of,
+            self._hypers(),
+            self.step_device,
+            _FallbackStepper(self.optimizer, self.cls, self.params, self.group_of),
+        )
+        self._generation = -1
+        if self.optimizer.__dict__["state"]:
+            self.load_state()
+
+    def _hypers(self) -> list[dict[str, Any]]:
+        return [_hyper(g, self.cls) for g in self.optimizer.param_groups]
+
+    def before_forward(self) -> None:
+        """Makes the current hyper-parameters the ones the next in-backward steps use."""
+        if self.kind:
+            self.reducer.set_optimizer_groups(self._hypers())
+        self.optimizer._opt_called = True  # LR schedulers: the optimizer does step
+        self.sync_state()
+
+    def sync_state(self) -> None:
+        """Points ``optimizer.state`` at the fused state (after it was created or moved)."""
+        reducer = self.reducer
+        if reducer is None or not self.kind:
+            return
+        generation = reducer.optimizer_generation()
+        if generation == self._generation:
+            return
+        state = self.optimizer.__dict__["state"]
+        for i, p in enumerate(self.params):
+            if not self.fused[i]:
+                continue
+            entries = reducer.optimizer_state(i)
+            if entries:
+                state[p] = dict(entries)
+            else:
+                state.pop(p, None)
+        self._generation = generation
+
+    def load_state(self) -> None:
+        """Copies what ``optimizer.state`` holds for fused parameters into the fused state."""
+        reducer = self.reducer
+        if reducer is None or not self.kind:
+            return
+        state = self.optimizer.__dict__["state"]
+        for i, p in enumerate(self.params):
+            if not self.fused[i]:
+                continue
+            entry = state.get(p, {})
+            if self.kind == "adam":
+                if "step" in entry:
+                    values = [entry["exp_avg"], entry["exp_avg_sq"]]
+                    reducer.load_optimizer_state(i, int(float(entry["step"])), values)
+                else:
+                    reducer.load_optimizer_state(i, 0, [])
+                continue
+            buf = entry.get("momentum_buffer")
+            momentum = self.optimizer.param_groups[self.group_of[i]].get("momentum", 0)
+            if buf is not None and momentum != 0:
+                reducer.load_optimizer_state(i, 1, [buf])
+            else:
+                reducer.load_optimizer_state(i, 0, [])
+        self._generation = -1
+        self.sync_state()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (fused buffers and fallback state alike)."""
+        self.sync_state()
+        seen: dict[tuple[str, int], int] = {}
+        for entry in self.optimizer.__dict__["state"].values():
+            for value in entry.values():
+                if isinstance(value, Tensor) and value.numel() > 0:
+                    storage = value.untyped_storage()
+                    seen[(str(value.device), storage.data_ptr())] = storage.nbytes()
+        return sum(seen.values())
+
+
+class _FallbackStepper:
+    """Steps a bucket's parameters with a per-bucket instance of the user's optimizer class.
+
+    The instance shares ``optimizer.state`` and copies the live hyper-parameters of the groups
+    its parameters come from before every step. Runs on the autograd thread (with the GIL)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        cls: type,
+        params: list[nn.Parameter],
+        group_of: list[int],
+    ) -> None:
+        self._optimizer = optimizer
+        self._cls = cls
+        self._params = params
+        self._group_of = group_of
+        self._instances: dict[tuple[int, ...], tuple[torch.optim.Optimizer, list[int]]] = {}
+
+    def _instance(self, members: tuple[int, ...]) -> tuple[torch.optim.Optimizer, list[int]]:
+        if members not in self._instances:
+            by_group: dict[int, list[nn.Parameter]] = {}
+            for i in members:
+                by_group.setdefault(self._group_of[i], []).append(self._params[i])
+            groups = sorted(by_group)
+            param_groups = [
+                {**_hyper_items(self._optimizer.param_groups[g]), "params": by_group[g]}
+                for g in groups
+            ]
+            try:
+                instance = self._cls(param_groups, **self._optimizer.defaults)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"leanddp optimizer_in_backward: could not build a {self._cls.__name__} over "
+                    f"one bucket's parameters as {self._cls.__name__}(param_groups, "
+                    f"**optimizer.defaults): {exc}"
+                ) from exc
+            self._instances[members] = (instance, groups)
+        return self._instances[members]
+
+    def __call__(self, index: int, members: list[int], grads: list[Tensor]) -> None:
+        instance, groups = self._instance(tuple(members))
+        for k, g in enumerate(groups):
+            instance.param_groups[k].update(_hyper_items(self._optimizer.param_groups[g]))
+        instance.state = self._optimizer.__dict__["state"]
+        params = [self._params[i] for i in members]
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+        try:
+            instance.step()
+        finally:
+            for p in params:
+                p.grad = None
+
+
+def _hyper_items(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+# ------------------------------------------------------------------------------------------
+# the facade: the user's optimizer, whose step() is a no-op and whose state is the fused state
+
+_FACADES: dict[type, type] = {}
+
+
+def _base_class(optimizer: torch.optim.Optimizer) -> type:
+    cls = type(optimizer)
+    return cls.__bases__[0] if getattr(cls, "_leanddp_in_backward", False) else cls
+
+
+def _facade_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    """Does nothing: with optimizer_in_backward every bucket is stepped inside backward. A
+    closure, if given, is evaluated (it runs forward and backward, which step)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _facade_add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
+    raise NotImplementedError(
+        "leanddp optimizer_in_backward: parameter groups cannot be added after wrapping; build "
+        "the optimizer with all its groups in the factory"
+    )
+
+
+def _facade_state_get(self: torch.optim.Optimizer) -> Any:
+    link = self.__dict__.get("_leanddp_link")
+    if link is not None:
+        link.sync_state()
+    return self.__dict__["state"]
+
+
+def _facade_state_set(self: torch.optim.Optimizer, value: Any) -> None:
+    self.__dict__["state"] = value
+
+
+def _make_facade(optimizer: torch.optim.Optimizer, link: InBackward) -> None:
+    cls = _base_class(optimizer)
+    if cls not in _FACADES:
+        _FACADES[cls] = type(
+            cls.__name__,
+            (cls,),
+            {
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "_leanddp_in_backward": True,
+                "step": _facade_step,
+                "add_param_group": _facade_add_param_group,
+                "state": property(_facade_state_get, _facade_state_set),
+            },
+        )
+    optimizer.__class__ = _FACADES[cls]
+    optimizer.__dict__["_leanddp_link"] = link
+    optimizer.register_load_state_dict_post_hook(_after_load)
+
+
+def _after_load(optimizer: torch.optim.Optimizer) -> None:
+    link = optimizer.__dict__.get("_leanddp_link")
+    if link is not None:
+        link.load_state()
+
+
+# ------------------------------------------------------------------------------------------
+# clipping: gradients of in-backward parameters are gone by the time user code could clip
+
+_GUARDED: dict[int, weakref.ref] = {}
+_CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_", "clip_grads_with_norm_")
+
+
+def guard_clipping(params: Sequence[nn.Parameter]) -> None:
+    """Makes torch.nn.utils' clipping functions raise when given these parameters: with
+    optimizer_in_backward their gradients were stepped and released inside backward, and
+    clipping nothing would silently train unclipped."""
+    for p in params:
+        key = id(p)
+        _GUARDED[key] = weakref.ref(p, lambda _, key=key: _GUARDED.pop(key, None))
+    import torch.nn.utils as utils
+    import torch.nn.utils.clip_grad as clip_grad
+
+    for module in (utils, clip_grad):
+        for name in _CLIP_FUNCTIONS:
+            fn = getattr(module, name, None)
+            if fn is not None and not getattr(fn, "_leanddp_guard", False):
+                setattr(module, name, _guarded(fn, name))
+
+
+def _guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+        for p in params:
+            ref = _GUARDED.get(id(p))
+            if ref is not None and ref() is p:
+                raise RuntimeError(
+                    f"torch.nn.utils.{name}: these parameters are trained by leanddp's "
+                    "optimizer_in_backward, which steps each bucket inside backward and "
+                    "releases its gradients: there is nothing left to clip, and clipping here "
+                    "would silently do nothing. For exact global-norm clipping use "
+                    "offload_to_cpu=True with max_grad_norm=...; or train without "
+                    "optimizer_in_backward (see docs/ddp.md, 'Gradient clipping')."
+                )
+        return fn(params, *args, **kwargs)
+
+    wrapper._leanddp_guard = True  # type: ignore[attr-defined]
+    return wrapper
