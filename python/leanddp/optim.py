@@ -16,6 +16,7 @@ scheduler changes and its ``state_dict()`` has exactly torch's format.
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -240,13 +241,17 @@ class _FallbackStepper:
                 {**_hyper_items(self._optimizer.param_groups[g]), "params": by_group[g]}
                 for g in groups
             ]
+            # The groups carry every hyper-parameter; the constructor also gets the defaults it
+            # accepts (a class may require some), as the user's optimizer was built with.
+            accepted = inspect.signature(self._cls.__init__).parameters
+            defaults = {k: v for k, v in self._optimizer.defaults.items() if k in accepted}
             try:
-                instance = self._cls(param_groups, **self._optimizer.defaults)
+                instance = self._cls(param_groups, **defaults)
             except Exception as exc:
                 raise RuntimeError(
                     f"leanddp optimizer_in_backward: could not build a {self._cls.__name__} over "
                     f"one bucket's parameters as {self._cls.__name__}(param_groups, "
-                    f"**optimizer.defaults): {exc}"
+                    f"**defaults): {exc}"
                 ) from exc
             self._instances[members] = (instance, groups)
         return self._instances[members]

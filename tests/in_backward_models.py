@@ -1,0 +1,110 @@
+"""Optimizer factories and a lock-step trainer comparing optimizer_in_backward against torch's
+DDP followed by the same torch optimizer, in the same processes on the same data."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import leanddp
+
+Factory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def grouped(cls: type, **kwargs) -> Factory:
+    """A factory with two param groups: matrices with weight decay, the rest without it and at
+    twice the learning rate (the usual no-decay-on-biases-and-norms split)."""
+
+    def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        params = list(params)
+        decay = [p for p in params if p.ndim >= 2]
+        rest = [p for p in params if p.ndim < 2]
+        return cls(
+            [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 2 * kwargs["lr"]}],
+            **kwargs,
+        )
+
+    return make
+
+
+OPTIMIZERS: dict[str, Factory] = {
+    "sgd-nesterov": functools.partial(
+        torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01
+    ),
+    "sgd-dampening": functools.partial(
+        torch.optim.SGD, lr=0.05, momentum=0.5, dampening=0.2, weight_decay=0.01, maximize=True
+    ),
+    "sgd-plain": functools.partial(torch.optim.SGD, lr=0.05),
+    "adam": functools.partial(torch.optim.Adam, lr=0.01, weight_decay=0.01),
+    "adamw": functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.1),
+    "adamw-groups": grouped(torch.optim.AdamW, lr=0.01, weight_decay=0.1),
+    "sgd-groups": grouped(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=0.01),
+    "adagrad": functools.partial(torch.optim.Adagrad, lr=0.05),  # no fused kernel: fallback
+    "adamw-amsgrad": functools.partial(torch.optim.AdamW, lr=0.01, amsgrad=True),  # fallback
+}
+
+
+def scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+class InBackwardLockStep:
+    """torch's DDP + ``factory``'s optimizer (+ an LR scheduler) against leanddp with
+    ``optimizer_in_backward=factory`` (+ the same scheduler on ``ddp.optimizer``), each on its
+    own process group."""
+
+    def __init__(
+        self, model: nn.Module, factory: Factory, with_scheduler: bool = True, **ddp_kwargs
+    ) -> None:
+        self.ref = torch.nn.parallel.DistributedDataParallel(
+            copy.deepcopy(model), process_group=dist.new_group(), **ddp_kwargs
+        )
+        self.ref_opt = factory(self.ref.module.parameters())
+        self.ours = leanddp.DistributedDataParallel(
+            copy.deepcopy(model),
+            process_group=dist.new_group(),
+            optimizer_in_backward=factory,
+            **ddp_kwargs,
+        )
+        self.scheds = (
+            [scheduler(self.ref_opt), scheduler(self.ours.optimizer)] if with_scheduler else []
+        )
+
+    def step(self, batches: list[torch.Tensor], legacy_calls: bool = False) -> None:
+        """One optimizer step over ``batches`` (all but the last under no_sync) on both.
+        ``legacy_calls``: our loop also calls optimizer.step() and zero_grad(), as an
+        unchanged training loop would."""
+        for ddp in (self.ref, self.ours):
+            for i, x in enumerate(batches):
+                if i < len(batches) - 1:
+                    with ddp.no_sync():
+                        ddp(x).square().mean().backward()
+                else:
+                    ddp(x).square().mean().backward()
+        self.ref_opt.step()
+        self.ref_opt.zero_grad()
+        if legacy_calls:
+            self.ours.optimizer.step()
+            self.ours.optimizer.zero_grad()
+        for s in self.scheds:
+            s.step()
+
+    def pairs(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        return [
+            (name, a, b)
+            for (name, a), b in zip(
+                self.ref.module.named_parameters(), self.ours.module.parameters(), strict=True
+            )
+        ]
+
+
+def assert_params_close(run: InBackwardLockStep, what: str) -> None:
+    for name, a, b in run.pairs():
+        torch.testing.assert_close(
+            b, a, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{what} {name}: {m}"
+        )
