@@ -1,0 +1,134 @@
+"""optimizer_in_backward: what a user's loop meets. ddp.optimizer is the torch optimizer (its
+step() and zero_grad() harmless, an LR scheduler works without warnings), and misuse gets a
+clear error before any state changes: a bad factory, a parameter missing from the optimizer,
+max_grad_norm without offload_to_cpu, clipping gradients that no longer exist."""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import warnings
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from torch import nn
+
+import leanddp
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _train_step(ddp: nn.Module) -> None:
+    ddp(torch.randn(3, 4)).square().mean().backward()
+
+
+def _errors(rank: int, world_size: int) -> None:
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def build(**kwargs):
+        return leanddp.DistributedDataParallel(model, **kwargs)
+
+    with pytest.raises(TypeError, match="optimizer_in_backward must be a callable"):
+        build(optimizer_in_backward=torch.optim.AdamW([nn.Parameter(torch.ones(1))]))
+    with pytest.raises(TypeError, match="must return a torch.optim.Optimizer, got list"):
+        build(optimizer_in_backward=lambda params: list(params))
+    with pytest.raises(ValueError, match=r"does not hold parameter '2.weight'"):
+        build(optimizer_in_backward=lambda params: torch.optim.SGD(model[0].parameters(), lr=1))
+    stranger = nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="does not train"):
+        build(optimizer_in_backward=lambda params: torch.optim.SGD([*params, stranger], lr=1))
+    with pytest.raises(ValueError, match="max_grad_norm needs optimizer_in_backward with offload"):
+        build(optimizer_in_backward=ADAMW, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        build(max_grad_norm=1.0)
+    with pytest.raises(NotImplementedError, match="offload_to_cpu"):
+        build(optimizer_in_backward=ADAMW, offload_to_cpu=True)
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, b) and p.grad is None  # nothing changed before the errors
+
+
+def test_bad_arguments_raise_before_any_state_changes() -> None:
+    run_ranks(1, _errors)
+
+
+def _loop(rank: int, world_size: int) -> None:
+    model = _model()
+    ddp = leanddp.DistributedDataParallel(model, optimizer_in_backward=ADAMW)
+    opt = ddp.optimizer
+    assert isinstance(opt, torch.optim.AdamW) and type(opt).__name__ == "AdamW"
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        for _ in range(3):
+            snapshot = [p.detach().clone() for p in model.parameters()]
+            _train_step(ddp)
+            assert all(
+                not torch.equal(p, s) for p, s in zip(model.parameters(), snapshot, strict=True)
+            )
+            after = [p.detach().clone() for p in model.parameters()]
+            assert opt.step() is None  # harmless: the step already happened in backward
+            opt.zero_grad()
+            assert all(torch.equal(p, s) for p, s in zip(model.parameters(), after, strict=True))
+            sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)
+    # A closure is evaluated (its backward steps), as torch's step(closure) would.
+    losses = []
+
+    def closure():
+        out = ddp(torch.randn(3, 4)).square().mean()
+        out.backward()
+        losses.append(out.item())
+        return out
+
+    assert opt.step(closure) is not None and len(losses) == 1
+
+    with pytest.raises(NotImplementedError, match="cannot be added after wrapping"):
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]})
+    with pytest.raises(RuntimeError, match="optimizer_in_backward"):
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match="nothing left to clip"):
+        torch.nn.utils.clip_grad_value_(model[0].weight, 1.0)
+    other = nn.Linear(2, 2)
+    other(torch.ones(1, 2)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(other.parameters(), 1e-3)  # other parameters: untouched
+    assert other.weight.grad.norm() <= 1e-3 + 1e-6
+    with pytest.raises(RuntimeError, match="cannot be pickled"):
+        pickle.dumps(ddp)
+    stats = ddp.memory_stats()
+    params = stats["param_bytes"]
+    # AdamW: two state tensors per parameter, plus one 4-byte step counter each.
+    assert stats["optimizer_state_bytes"] == 2 * params + 4 * len(list(model.parameters()))
+    assert stats["bucket_bytes"] == 0 and stats["grad_bytes"] == 0
+
+
+def test_training_loop_and_optimizer_facade() -> None:
+    run_ranks(1, _loop)
+
+
+def _accumulation(rank: int, world_size: int) -> None:
+    model = _model()
+    ddp = leanddp.DistributedDataParallel(model, optimizer_in_backward=ADAMW)
+    _train_step(ddp)  # first iteration, then the buckets are rebuilt
+    for _ in range(2):
+        with ddp.no_sync():
+            _train_step(ddp)
+            ptrs = [p.grad.data_ptr() for p in model.parameters()]
+            held = ddp.memory_stats()
+            _train_step(ddp)
+            # accumulated in place, in the bucket views: no new allocation per micro-batch
+            assert [p.grad.data_ptr() for p in model.parameters()] == ptrs
+            assert ddp.memory_stats() == held and held["grads_outside"] == 0
+            assert held["bucket_bytes"] == held["param_bytes"]
+        _train_step(ddp)
+        assert all(p.grad is None for p in model.parameters())
+        assert ddp.memory_stats()["bucket_bytes"] == 0
+
+
+def test_no_sync_accumulates_in_place() -> None:
+    run_ranks(2, _accumulation)
