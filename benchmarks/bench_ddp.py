@@ -1,23 +1,32 @@
-"""Benchmark leanddp.DistributedDataParallel against torch's DDP: step time and gradient memory.
+"""Benchmark leanddp.DistributedDataParallel against torch's DDP: step time and memory.
 
-    python benchmarks/bench_ddp.py [--world-size 2] [--rounds 5] [--steps 10] [--out DIR]
+    python benchmarks/bench_ddp.py [--world-size 2] [--rounds 5] [--steps 10]
+                                   [--bucket-cap-mb 2] [--out DIR]
 
 A small GPT-style transformer is trained on synthetic tokens with gloo on CPU, world size 2,
-under three configurations built in the same processes: torch's DDP (gradient_as_bucket_view
-False, torch's default), torch's DDP with views, and leanddp (views, its default). Each round
-times --steps training steps (forward, backward, AdamW step) of every configuration in turn;
-the table gives the median step time over rounds and its ratio to torch's DDP with the same
-flags (the anchor measured in the same run).
+under four configurations built in the same processes, all with AdamW: torch's DDP
+(gradient_as_bucket_view False, torch's default) and torch's DDP with views, each followed by
+torch.optim.AdamW(fused=True); leanddp (views, its default) followed by the same optimizer; and
+leanddp with optimizer_in_backward=AdamW (stepped bucket by bucket inside backward by leanddp's
+fused kernel). Each round times --steps training steps (forward, backward, optimizer step) of
+every configuration in turn; the table gives the median step time over rounds and its ratio to
+torch's DDP with views (the anchor measured in the same run). Every configuration uses the same
+bucket cap, 2 MiB by default: the model is 14 MiB, and torch's default of 25 MiB would put it in
+one bucket (at GPT-2-small scale, 25 MiB buckets give a similar count of about 20).
 
-Gradient memory is measured, not derived: the bytes of the distinct storages behind every
-param.grad and every communication bucket (torch's buckets are seen through a comm hook that
-records each bucket's buffer and then runs torch's default allreduce). Prints progress, then a
-markdown table; writes bench_ddp.json and bench_ddp.png into --out.
+Memory is measured, not derived. Gradient memory: the bytes of the distinct storages behind
+every param.grad and every communication bucket (torch's buckets are seen through a comm hook
+that records each bucket's buffer and then runs torch's default allreduce); with
+optimizer_in_backward, where gradients are released during backward, its peak is sampled at
+every gradient accumulation hook of one step (the Reducer's accounting of buckets and
+gradients it holds). Optimizer state: the distinct storages behind the optimizer's state.
+Prints progress, then a markdown table; writes bench_ddp.json and bench_ddp.png into --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -35,7 +44,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import leanddp
 
 VOCAB, DIM, LAYERS, HEADS, SEQ, BATCH = 2048, 256, 4, 4, 64, 8
-CONFIGS = ["torch DDP", "torch DDP + views", "leanddp"]
+CONFIGS = ["torch DDP", "torch DDP + views", "leanddp", "leanddp + optimizer_in_backward"]
+IN_BACKWARD = CONFIGS[3]
+ANCHOR = "torch DDP + views"
+LR = 1e-3
 
 
 class TinyGPT(nn.Module):
@@ -68,22 +80,37 @@ def log(rank: int, msg: str) -> None:
         print(f"[bench_ddp] {msg}", file=sys.stderr, flush=True)
 
 
-def build(name: str, model: nn.Module) -> nn.Module:
+def build(
+    name: str, model: nn.Module, cap_mb: float
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """The DDP wrapper and the optimizer the loop steps (None: stepped inside backward)."""
     group = dist.new_group()
+    adamw = functools.partial(torch.optim.AdamW, lr=LR, fused=True)
+    if name == IN_BACKWARD:
+        ddp = leanddp.DistributedDataParallel(
+            model, process_group=group, bucket_cap_mb=cap_mb, optimizer_in_backward=adamw
+        )
+        return ddp, None
     if name == "leanddp":
-        return leanddp.DistributedDataParallel(model, process_group=group)
-    views = name.endswith("views")
-    return torch.nn.parallel.DistributedDataParallel(
-        model, process_group=group, gradient_as_bucket_view=views
-    )
+        ddp = leanddp.DistributedDataParallel(model, process_group=group, bucket_cap_mb=cap_mb)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model,
+            process_group=group,
+            bucket_cap_mb=cap_mb,
+            gradient_as_bucket_view=name.endswith("views"),
+        )
+    return ddp, adamw(ddp.parameters())
 
 
-def step(ddp: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
-    opt.zero_grad(set_to_none=False)
+def step(ddp: nn.Module, opt: torch.optim.Optimizer | None, tokens: torch.Tensor) -> torch.Tensor:
+    if opt is not None:
+        opt.zero_grad(set_to_none=False)
     logits = ddp(tokens[:, :-1])
     loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
     loss.backward()
-    opt.step()
+    if opt is not None:
+        opt.step()
     return loss.detach()
 
 
@@ -95,6 +122,34 @@ def gradient_bytes(ddp: nn.Module, bucket_storages: dict[int, int]) -> int:
             s = p.grad.untyped_storage()
             storages[s.data_ptr()] = s.nbytes()
     return sum(storages.values())
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct storages behind the optimizer's state."""
+    storages = {}
+    for entry in opt.state.values():
+        for v in entry.values():
+            if isinstance(v, torch.Tensor):
+                storages[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def in_backward_peak(ddp: nn.Module, tokens: torch.Tensor) -> int:
+    """One step with a sampler at every gradient accumulation: the most gradient bytes the
+    Reducer held at once (buckets allocated + gradients outside them)."""
+    peak = 0
+
+    def sample(_: torch.Tensor) -> None:
+        nonlocal peak
+        s = ddp.memory_stats()
+        peak = max(peak, s["bucket_bytes"] + s["grad_bytes"])
+
+    handles = [p.register_post_accumulate_grad_hook(sample) for p in ddp.module.parameters()]
+    step(ddp, None, tokens)
+    for h in handles:
+        h.remove()
+    s = ddp.memory_stats()
+    return max(peak, s["peak_bucket_bytes"])
 
 
 def torch_bucket_storages(ddp: nn.Module, opt, tokens) -> dict[int, int]:
@@ -123,8 +178,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
         torch.manual_seed(0)
         model = TinyGPT()
         model.load_state_dict(base.state_dict())
-        ddp = build(name, model)
-        runs[name] = (ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3, fused=True))
+        runs[name] = build(name, model, args.bucket_cap_mb)
     gen = torch.Generator().manual_seed(1 + rank)
     batches = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen) for _ in range(4)]
     losses: dict[str, list[float]] = {n: [] for n in CONFIGS}
@@ -146,15 +200,22 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
             + ", ".join(f"{n} {times[n][-1] * 1e3:.1f} ms" for n in CONFIGS),
         )
     memory = {}
-    for name, (ddp, _) in runs.items():
+    for name, (ddp, opt) in runs.items():
         buckets: dict[int, int] = {}
+        if name == IN_BACKWARD:
+            memory[name] = {
+                "optimizer": ddp.memory_stats()["optimizer_state_bytes"],
+                "measured": in_backward_peak(ddp, batches[0]),
+            }
+            continue
+        memory[name] = {"optimizer": state_bytes(opt)}
         if name == "leanddp":
             stats = ddp.memory_stats()
-            memory[name] = {"accounted": stats["bucket_bytes"] + stats["grad_bytes"]}
+            memory[name]["accounted"] = stats["bucket_bytes"] + stats["grad_bytes"]
         else:  # a fresh copy with a recording hook, so the timed one ran torch's C++ default
-            ddp = build(name, TinyGPT())
+            ddp, _ = build(name, TinyGPT(), args.bucket_cap_mb)
             buckets = torch_bucket_storages(ddp, torch.optim.SGD(ddp.parameters()), batches[0])
-        memory.setdefault(name, {})["measured"] = gradient_bytes(ddp, buckets)
+        memory[name]["measured"] = gradient_bytes(ddp, buckets)
     param_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     if rank == 0:
         out.update(times=times, memory=memory, param_bytes=param_bytes, losses=losses)
@@ -169,27 +230,23 @@ def markdown(result: dict) -> str:
         f"`{env['command']}` — torch {env['torch']}, Python {env['python']}, {env['cpu']}",
         "",
         f"model: {result['params'] / 1e6:.2f}M parameters ({pb / 2**20:.1f} MiB fp32), gloo, "
-        f"world size {result['world_size']}, CPU",
+        f"world size {result['world_size']}, CPU, bucket_cap_mb={result['bucket_cap_mb']}",
         "",
-        "| configuration | step (ms, median) | vs torch DDP, same flags | grad + bucket bytes "
-        "| × parameter bytes |",
-        "|---|---:|---:|---:|---:|",
+        "| configuration | step (ms, median) | vs torch DDP + views | peak grad + bucket bytes "
+        "| optimizer state | grad + optimizer, × parameter bytes |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    anchors = {
-        "torch DDP": "torch DDP",
-        "torch DDP + views": "torch DDP + views",
-        "leanddp": "torch DDP + views",
-    }
     for n in CONFIGS:
-        mem = result["memory"][n]["measured"]
+        mem, opt = result["memory"][n]["measured"], result["memory"][n]["optimizer"]
         lines.append(
-            f"| {n} | {t[n] * 1e3:.1f} | {t[n] / t[anchors[n]]:.3f} | {mem / 2**20:.2f} MiB "
-            f"| {mem / pb:.2f} |"
+            f"| {n} | {t[n] * 1e3:.1f} | {t[n] / t[ANCHOR]:.3f} | {mem / 2**20:.2f} MiB "
+            f"({mem / pb:.2f}×) | {opt / 2**20:.2f} MiB | {(mem + opt) / pb:.2f} |"
         )
     lines.append("")
     lines.append(
-        f"leanddp vs torch's default DDP (views off): {t['leanddp'] / t['torch DDP']:.3f}"
-        f"× step time; accounted by ddp.memory_stats(): "
+        f"vs torch's default DDP (views off): leanddp {t['leanddp'] / t['torch DDP']:.3f}×, "
+        f"+ optimizer_in_backward {t[IN_BACKWARD] / t['torch DDP']:.3f}× step time; leanddp's "
+        f"gradients accounted by ddp.memory_stats(): "
         f"{result['memory']['leanddp']['accounted'] / pb:.2f}× parameter bytes"
     )
     final = {n: v[-1] for n, v in result["losses"].items()}
@@ -207,17 +264,20 @@ def plot(result: dict, path: Path) -> bool:
     except ImportError:
         print("[bench_ddp] matplotlib is not installed: no PNG written", file=sys.stderr)
         return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    mib = [result["memory"][n]["measured"] / 2**20 for n in CONFIGS]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = [n.replace(" + ", "\n+ ") for n in CONFIGS]
+    grads = [result["memory"][n]["measured"] / 2**20 for n in CONFIGS]
+    state = [result["memory"][n]["optimizer"] / 2**20 for n in CONFIGS]
     ms = [statistics.median(result["times"][n]) * 1e3 for n in CONFIGS]
-    ax1.bar(CONFIGS, mib, color=["#888", "#aaa", "#2a7"])
+    ax1.bar(labels, grads, color="#2a7", label="peak gradients + buckets")
+    ax1.bar(labels, state, bottom=grads, color="#79c", label="optimizer state")
     ax1.axhline(result["param_bytes"] / 2**20, ls="--", c="k", lw=1, label="parameter bytes")
-    ax1.set_ylabel("gradient + bucket memory (MiB)")
-    ax1.legend()
-    ax2.bar(CONFIGS, ms, color=["#888", "#aaa", "#2a7"])
+    ax1.set_ylabel("MiB")
+    ax1.legend(fontsize=8)
+    ax2.bar(labels, ms, color=["#888", "#aaa", "#2a7", "#1a5"])
     ax2.set_ylabel("step time (ms, median)")
     for ax in (ax1, ax2):
-        ax.tick_params(axis="x", labelrotation=15)
+        ax.tick_params(axis="x", labelsize=8)
     fig.suptitle(f"leanddp vs torch DDP — CPU gloo, world size {result['world_size']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -229,6 +289,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--bucket-cap-mb", type=float, default=2.0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = parser.parse_args(argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
@@ -242,6 +303,7 @@ def main(argv: list[str]) -> None:
         mp.spawn(worker, args=(args.world_size, port, args, out), nprocs=args.world_size)
         result = dict(out)
     result["world_size"] = args.world_size
+    result["bucket_cap_mb"] = args.bucket_cap_mb
     result["params"] = sum(p.numel() for p in TinyGPT().parameters())
     result["env"] = environment(argv)
     table = markdown(result)
