@@ -120,6 +120,7 @@ class InBackward:
             bool(self.kind) and p.dtype == torch.float32 and p.is_contiguous() for p in params
         ]
         self._generation = -1
+        self.loading = False  # inside optimizer.load_state_dict(): the state is the loaded one
         on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
         self.step_device = str(params[0].device) if on_device else "cpu"
         _make_facade(optimizer, self)
@@ -150,6 +151,7 @@ class InBackward:
 
     def before_forward(self) -> None:
         """Makes the current hyper-parameters the ones the next in-backward steps use."""
+        self.loading = False  # a load_state_dict that raised changed nothing
         if self.kind:
             self.reducer.set_optimizer_groups(self._hypers())
         self.optimizer._opt_called = True  # LR schedulers: the optimizer does step
@@ -158,24 +160,22 @@ class InBackward:
     def sync_state(self) -> None:
         """Points ``optimizer.state`` at the fused state (after it was created or moved)."""
         reducer = self.reducer
-        if reducer is None or not self.kind:
+        if reducer is None or not self.kind or self.loading:
             return
         generation = reducer.optimizer_generation()
         if generation == self._generation:
             return
         state = self.optimizer.__dict__["state"]
         for i, p in enumerate(self.params):
-            if not self.fused[i]:
-                continue
-            entries = reducer.optimizer_state(i)
-            if entries:
-                state[p] = dict(entries)
-            else:
-                state.pop(p, None)
+            if self.fused[i]:
+                entries = reducer.optimizer_state(i)
+                if entries:
+                    state[p] = dict(entries)
         self._generation = generation
 
     def load_state(self) -> None:
         """Copies what ``optimizer.state`` holds for fused parameters into the fused state."""
+        self.loading = False
         reducer = self.reducer
         if reducer is None or not self.kind:
             return
@@ -330,7 +330,14 @@ def _make_facade(optimizer: torch.optim.Optimizer, link: InBackward) -> None:
         )
     optimizer.__class__ = _FACADES[cls]
     optimizer.__dict__["_leanddp_link"] = link
+    optimizer.register_load_state_dict_pre_hook(_before_load)
     optimizer.register_load_state_dict_post_hook(_after_load)
+
+
+def _before_load(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    link = optimizer.__dict__.get("_leanddp_link")
+    if link is not None:
+        link.loading = True
 
 
 def _after_load(optimizer: torch.optim.Optimizer) -> None:
