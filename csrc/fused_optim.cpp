@@ -59,12 +59,8 @@ size_t FusedOptimizer::num_buffers(int64_t group) const {
   return groups_[static_cast<size_t>(group)].momentum != 0.0 ? 1 : 0;
 }
 
-bool FusedOptimizer::can_step(const Bucket& bucket) const {
-  for (int64_t p : bucket.params) {
-    const at::Tensor& param = params_[static_cast<size_t>(p)];
-    if (param.scalar_type() != at::kFloat || !param.is_contiguous()) return false;
-  }
-  return true;
+bool FusedOptimizer::can_step(size_t p) const {
+  return params_[p].scalar_type() == at::kFloat && params_[p].is_contiguous();
 }
 
 void FusedOptimizer::ensure_state(size_t index, const Bucket& bucket, size_t buffers) {

@@ -47,10 +47,12 @@ class FusedOptimizer {
 
   // Replaces the hyper-parameters (one per group), read by the next steps.
   void set_groups(std::vector<OptimHyper> groups);
-  // Whether the kernels can step this bucket: float32, contiguous parameters.
-  bool can_step(const Bucket& bucket) const;
-  // Steps the members of bucket `index` whose `mask[slot]` is set, with the averaged gradients
-  // in the bucket's views; allocates the bucket's state at its first step.
+  // Whether the kernels can step parameter p: float32 and contiguous. Fixed for a parameter,
+  // whatever bucket it is in, so its state never moves between this and the fallback.
+  bool can_step(size_t p) const;
+  // Steps the members of bucket `index` whose `mask[slot]` is set (all of which can_step), with
+  // the averaged gradients in the bucket's views; allocates the bucket's state at its first
+  // step.
   void step(size_t index, const Bucket& bucket, const std::vector<char>& mask);
   // The buckets were rebuilt: moves the state into the new layout.
   void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);

@@ -401,18 +401,21 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
       mask[s] = (*used)[static_cast<size_t>(bucket.params[s])] != 0;
     }
   }
-  if (fused_ && fused_->can_step(bucket)) {
-    fused_->step(index, bucket, mask);
-  } else {
-    TORCH_CHECK(fallback_, "leanddp.DistributedDataParallel: no optimizer for bucket ", index);
-    std::vector<int64_t> members;
-    std::vector<at::Tensor> grads;
-    for (size_t s = 0; s < mask.size(); ++s) {
-      if (!mask[s]) continue;
-      members.push_back(bucket.params[s]);
-      grads.push_back(bucket.views[s]);
+  // Members the fused kernels can step go to them; the others to the fallback.
+  std::vector<int64_t> others;
+  std::vector<at::Tensor> other_grads;
+  for (size_t s = 0; s < mask.size(); ++s) {
+    const auto p = static_cast<size_t>(bucket.params[s]);
+    if (mask[s] && !(fused_ && fused_->can_step(p))) {
+      mask[s] = 0;
+      others.push_back(bucket.params[s]);
+      other_grads.push_back(bucket.views[s]);
     }
-    if (!members.empty()) fallback_->step(index, members, grads);
+  }
+  if (fused_) fused_->step(index, bucket, mask);
+  if (!others.empty()) {
+    TORCH_CHECK(fallback_, "leanddp.DistributedDataParallel: no optimizer for bucket ", index);
+    fallback_->step(index, others, other_grads);
   }
   release(index);
 }
@@ -538,9 +541,8 @@ void Reducer::set_optimizer_groups(std::vector<OptimHyper> groups) {
 std::vector<std::pair<std::string, at::Tensor>> Reducer::optimizer_state(size_t p) const {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(p < params_.size(), "Reducer: no parameter ", p);
-  if (!fused_) return {};
+  if (!fused_ || !fused_->can_step(p)) return {};
   const auto [b, s] = location_[p];
-  if (!fused_->can_step(buckets_[b])) return {};
   return fused_->state(p, b, buckets_[b], s);
 }
 
@@ -548,7 +550,8 @@ void Reducer::load_optimizer_state(size_t p, int64_t step, const std::vector<at:
   at::NoGradGuard no_grad;
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(p < params_.size(), "Reducer: no parameter ", p);
-  TORCH_CHECK(fused_, "Reducer: no fused optimizer");
+  TORCH_CHECK(fused_ && fused_->can_step(p), "Reducer: parameter ", names_[p],
+              " is not stepped by the fused optimizer");
   const auto [b, s] = location_[p];
   fused_->load_state(p, b, buckets_[b], s, step, values);
 }

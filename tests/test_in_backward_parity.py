@@ -101,3 +101,33 @@ def _comm_hook(rank: int, world_size: int) -> None:
 
 def test_with_comm_hook() -> None:
     run_ranks(2, _comm_hook)
+
+
+class StridedNet(torch.nn.Module):
+    """A float32 parameter that is not contiguous (a strided slice: the fallback steps it) next
+    to contiguous float32 parameters (the fused kernel), in the same buckets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.strided = torch.nn.Parameter((0.3 * torch.randn(12, 24))[:, ::2])
+        self.head = torch.nn.Linear(12, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(x @ self.strided))
+
+
+def _mixed(rank: int, world_size: int) -> None:
+    assert not StridedNet().strided.is_contiguous()
+    for name, tiny in itertools.product(("adamw", "sgd-nesterov"), (False, True)):
+        run = InBackwardLockStep(
+            StridedNet(), OPTIMIZERS[name], bucket_cap_mb=0.0005 if tiny else None
+        )
+        for step in range(STEPS):
+            run.step([torch.randn(BATCH, 12) for _ in range(2)])
+            assert_params_close(run, f"{name} tiny={tiny} step {step}")
+        state = run.ours.optimizer.state_dict()["state"]
+        assert sorted(state) == sorted(run.ref_opt.state_dict()["state"])
+
+
+def test_fused_and_fallback_parameters_in_one_bucket() -> None:
+    run_ranks(2, _mixed)
