@@ -48,6 +48,11 @@ CONFIGS = ["torch DDP", "torch DDP + views", "leanddp", "leanddp + optimizer_in_
 IN_BACKWARD = CONFIGS[3]
 ANCHOR = "torch DDP + views"
 LR = 1e-3
+#: The torch configurations share torch's AdamW and agree bitwise. leanddp's fused AdamW rounds
+#: differently from torch's (a few ulp per step); AdamW turns noise-level gradients (attention key
+#: biases, whose exact gradient is zero) into full-size steps, so over ~100 steps the final loss
+#: drifts by up to a few 1e-3 relative. The parity tests hold the strict bound (1e-5, 5 steps).
+LOSS_TOLERANCE = 1e-2
 
 
 class TinyGPT(nn.Module):
@@ -250,8 +255,12 @@ def markdown(result: dict) -> str:
         f"{result['memory']['leanddp']['accounted'] / pb:.2f}× parameter bytes"
     )
     final = {n: v[-1] for n, v in result["losses"].items()}
-    same = len({round(v, 5) for v in final.values()}) == 1
-    lines.append(f"final losses (rank 0): {final} — {'agree' if same else 'DIFFER'}")
+    spread = max(abs(v - final[ANCHOR]) for v in final.values()) / abs(final[ANCHOR])
+    verdict = "agree" if spread <= LOSS_TOLERANCE else "DIFFER"
+    lines.append(
+        f"final losses (rank 0): {', '.join(f'{n} {v:.5f}' for n, v in final.items())} — "
+        f"{verdict} (largest relative difference {spread:.1e}, tolerance {LOSS_TOLERANCE:.0e})"
+    )
     return "\n".join(lines)
 
 
