@@ -501,11 +501,14 @@ bool Reducer::rebuild_buckets() {
   return true;
 }
 
+void Reducer::check_before_first_backward(const char* what) const {
+  TORCH_CHECK(iterations_ == 0 && !armed_, "leanddp.DistributedDataParallel: ", what,
+              " only before the first backward");
+}
+
 void Reducer::set_static_graph() {
   std::lock_guard<std::mutex> lock(mu_);
-  TORCH_CHECK(iterations_ == 0 && !armed_,
-              "leanddp.DistributedDataParallel: the graph can be declared static only before "
-              "the first backward");
+  check_before_first_backward("the graph can be declared static");
   options_.static_graph = true;
 }
 
@@ -514,9 +517,7 @@ void Reducer::register_comm_hook(std::unique_ptr<CommHook> hook) {
   TORCH_CHECK(!comm_hook_,
               "leanddp.DistributedDataParallel: register_comm_hook may be called "
               "only once");
-  TORCH_CHECK(iterations_ == 0 && !armed_,
-              "leanddp.DistributedDataParallel: register_comm_hook must be called before the "
-              "first backward");
+  check_before_first_backward("register_comm_hook may be called");
   comm_hook_ = std::move(hook);
 }
 
@@ -526,9 +527,7 @@ void Reducer::set_optimizer(std::unique_ptr<FusedOptimizer> fused,
   TORCH_CHECK(options_.step_in_backward,
               "leanddp.DistributedDataParallel: the Reducer was not built for "
               "optimizer_in_backward");
-  TORCH_CHECK(iterations_ == 0 && !armed_,
-              "leanddp.DistributedDataParallel: the in-backward optimizer must be set before the "
-              "first backward");
+  check_before_first_backward("the in-backward optimizer may be set");
   fused_ = std::move(fused);
   fallback_ = std::move(fallback);
 }

@@ -143,6 +143,8 @@ class Reducer {
   void step_reduced_buckets(bool wait, const std::vector<int32_t>* used);
   void step_bucket(size_t index, const std::vector<int32_t>* used);
   void ensure_allocated(size_t bucket_index);
+  // Throws "<what> only before the first backward" once a backward has been prepared or run.
+  void check_before_first_backward(const char* what) const;
   void release(size_t bucket_index);
 
   // Fixed at construction.

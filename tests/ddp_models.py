@@ -86,12 +86,7 @@ class LockStep:
         """One optimizer step's worth of micro-batches (all but the last under no_sync)."""
         for ddp, opt in zip((self.ref, self.ours), self.opts, strict=True):
             opt.zero_grad(set_to_none=set_to_none)
-            for i, x in enumerate(batches):
-                if i < len(batches) - 1:
-                    with ddp.no_sync():
-                        ddp(x).square().mean().backward()
-                else:
-                    ddp(x).square().mean().backward()
+            accumulate(ddp, batches)
 
     def step(self) -> None:
         for opt in self.opts:
@@ -105,6 +100,16 @@ class LockStep:
                 self.ref.module.named_parameters(), self.ours.module.parameters(), strict=True
             )
         ]
+
+
+def accumulate(ddp: nn.Module, batches: list[torch.Tensor]) -> None:
+    """Forward and backward over ``batches``, all but the last under ``ddp.no_sync()``."""
+    for i, x in enumerate(batches):
+        if i < len(batches) - 1:
+            with ddp.no_sync():
+                ddp(x).square().mean().backward()
+        else:
+            ddp(x).square().mean().backward()
 
 
 def assert_same(a: torch.Tensor | None, b: torch.Tensor | None, what: str, exact: bool) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from ddp_models import accumulate
 from torch import nn
 
 import leanddp
@@ -80,12 +81,7 @@ class InBackwardLockStep:
         ``legacy_calls``: our loop also calls optimizer.step() and zero_grad(), as an
         unchanged training loop would."""
         for ddp in (self.ref, self.ours):
-            for i, x in enumerate(batches):
-                if i < len(batches) - 1:
-                    with ddp.no_sync():
-                        ddp(x).square().mean().backward()
-                else:
-                    ddp(x).square().mean().backward()
+            accumulate(ddp, batches)
         self.ref_opt.step()
         self.ref_opt.zero_grad()
         if legacy_calls:
