@@ -2,6 +2,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <map>
 #include <optional>
@@ -113,6 +114,9 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
     }
     for (size_t s : slots) {
       const auto p = static_cast<size_t>(bucket.params[s]);
+      // As torch's in-place ops do: a tensor autograd saved from this parameter is now stale,
+      // and autograd raises if a node that has not run yet still needs it.
+      torch::autograd::impl::bump_version(params_[p]);
       if (steps_[p]++ == 0) ++generation_;  // a parameter's state appears
       if (kind_ != OptimKind::kAdam) continue;
       if (step_tensors_[p].defined()) {

@@ -132,3 +132,38 @@ def _accumulation(rank: int, world_size: int) -> None:
 
 def test_no_sync_accumulates_in_place() -> None:
     run_ranks(2, _accumulation)
+
+
+class SavedWeight(nn.Module):
+    """Uses ``a.weight`` without grad (saved for backward) before its use with grad: its
+    gradient is complete, and its bucket stepped, before the node that saved it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(self.pre(x) @ self.a.weight.detach())
+
+
+def _completed_hook(state, bucket):
+    buffer = bucket.buffer()
+    torch.distributed.all_reduce(buffer)
+    future = torch.futures.Future()
+    future.set_result(buffer.div_(torch.distributed.get_world_size()))
+    return future
+
+
+def _stale_saved_weight(rank: int, world_size: int) -> None:
+    for factory in (ADAMW, functools.partial(torch.optim.Adagrad, lr=1e-2)):  # fused, fallback
+        ddp = leanddp.DistributedDataParallel(
+            SavedWeight(), bucket_cap_mb=1e-5, optimizer_in_backward=factory
+        )
+        ddp.register_comm_hook(None, _completed_hook)  # each bucket is stepped at its launch
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            _train_step(ddp)
+
+
+def test_a_weight_autograd_still_needs_is_an_error_not_a_wrong_gradient() -> None:
+    run_ranks(1, _stale_saved_weight)
