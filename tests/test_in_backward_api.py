@@ -167,3 +167,27 @@ def _stale_saved_weight(rank: int, world_size: int) -> None:
 
 def test_a_weight_autograd_still_needs_is_an_error_not_a_wrong_gradient() -> None:
     run_ranks(1, _stale_saved_weight)
+
+
+def _load_changes_groups(rank: int, world_size: int) -> None:
+    """A checkpoint whose param_groups turn momentum on loads (the state layout follows the
+    loaded groups, not the ones in use before)."""
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    ddp = leanddp.DistributedDataParallel(_model(), optimizer_in_backward=sgd)
+    _train_step(ddp)
+    source = torch.optim.SGD(ddp.module.parameters(), lr=0.05, momentum=0.9)
+    for p in ddp.module.parameters():
+        p.grad = torch.ones_like(p)
+    source.step()
+    for p in ddp.module.parameters():
+        p.grad = None
+    ddp.optimizer.load_state_dict(source.state_dict())
+    state = ddp.optimizer.state_dict()
+    assert state["param_groups"][0]["momentum"] == 0.9
+    for k, p in enumerate(ddp.module.parameters()):
+        torch.testing.assert_close(state["state"][k]["momentum_buffer"], torch.ones_like(p))
+    _train_step(ddp)  # steps with the loaded momentum buffers
+
+
+def test_load_state_dict_with_other_hyper_parameters() -> None:
+    run_ranks(1, _load_changes_groups)

@@ -179,6 +179,7 @@ class InBackward:
         reducer = self.reducer
         if reducer is None or not self.kind:
             return
+        reducer.set_optimizer_groups(self._hypers())  # the loaded groups (momentum on or off)
         state = self.optimizer.__dict__["state"]
         for i, p in enumerate(self.params):
             if not self.fused[i]:
