@@ -395,19 +395,16 @@ void Reducer::step_reduced_buckets(bool wait, const std::vector<int32_t>* used) 
 void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
   collect_reduced(index);
   Bucket& bucket = buckets_[index];
-  std::vector<char> mask(bucket.params.size(), 1);
-  if (used != nullptr) {
-    for (size_t s = 0; s < mask.size(); ++s) {
-      mask[s] = (*used)[static_cast<size_t>(bucket.params[s])] != 0;
-    }
-  }
-  // Members the fused kernels can step go to them; the others to the fallback.
+  // Used members the fused kernels can step go to them (`mask`); the others to the fallback.
+  std::vector<char> mask(bucket.params.size(), 0);
   std::vector<int64_t> others;
   std::vector<at::Tensor> other_grads;
   for (size_t s = 0; s < mask.size(); ++s) {
     const auto p = static_cast<size_t>(bucket.params[s]);
-    if (mask[s] && !(fused_ && fused_->can_step(p))) {
-      mask[s] = 0;
+    if (used != nullptr && (*used)[p] == 0) continue;
+    if (fused_ && fused_->can_step(p)) {
+      mask[s] = 1;
+    } else {
       others.push_back(bucket.params[s]);
       other_grads.push_back(bucket.views[s]);
     }

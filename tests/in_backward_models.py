@@ -99,6 +99,17 @@ class InBackwardLockStep:
         ]
 
 
+def completed_allreduce_hook(state: dist.ProcessGroup | None, bucket) -> torch.futures.Future:
+    """A comm hook whose reduction is complete when it returns (averaged over ``state``, the
+    default group if None), so each bucket is stepped at its launch: in flight is always 1."""
+    buffer = bucket.buffer()
+    dist.all_reduce(buffer, group=state)
+    buffer.div_(dist.get_world_size(state))
+    future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
 def assert_params_close(run: InBackwardLockStep, what: str) -> None:
     for name, a, b in run.pairs():
         torch.testing.assert_close(

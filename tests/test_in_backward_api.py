@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 from dist_harness import run_ranks
+from in_backward_models import completed_allreduce_hook
 from torch import nn
 
 import leanddp
@@ -147,20 +148,13 @@ class SavedWeight(nn.Module):
         return self.a(self.pre(x) @ self.a.weight.detach())
 
 
-def _completed_hook(state, bucket):
-    buffer = bucket.buffer()
-    torch.distributed.all_reduce(buffer)
-    future = torch.futures.Future()
-    future.set_result(buffer.div_(torch.distributed.get_world_size()))
-    return future
-
-
 def _stale_saved_weight(rank: int, world_size: int) -> None:
     for factory in (ADAMW, functools.partial(torch.optim.Adagrad, lr=1e-2)):  # fused, fallback
         ddp = leanddp.DistributedDataParallel(
             SavedWeight(), bucket_cap_mb=1e-5, optimizer_in_backward=factory
         )
-        ddp.register_comm_hook(None, _completed_hook)  # each bucket is stepped at its launch
+        # each bucket is stepped at its launch
+        ddp.register_comm_hook(None, completed_allreduce_hook)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             _train_step(ddp)
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from ddp_models import Net
 from dist_harness import run_ranks
-from in_backward_models import OPTIMIZERS
+from in_backward_models import OPTIMIZERS, completed_allreduce_hook
 from torch import nn
 
 import leanddp
@@ -121,17 +121,6 @@ class Deep(nn.Module):
         return x
 
 
-def _completed_hook(state, bucket):
-    """A comm hook whose reduction is complete when it returns, so each bucket can be stepped
-    at once: makes the in-flight count deterministic."""
-    buffer = bucket.buffer()
-    dist.all_reduce(buffer, group=state)
-    buffer.div_(dist.get_world_size(state))
-    future = torch.futures.Future()
-    future.set_result(buffer)
-    return future
-
-
 def _release(rank: int, world_size: int, completed: bool) -> None:
     model = Deep()
     layer_bytes = 32 * 32 * 4
@@ -141,7 +130,7 @@ def _release(rank: int, world_size: int, completed: bool) -> None:
         optimizer_in_backward=functools.partial(torch.optim.AdamW, lr=1e-2),
     )
     if completed:
-        ddp.register_comm_hook(dist.new_group(), _completed_hook)
+        ddp.register_comm_hook(dist.new_group(), completed_allreduce_hook)
     samples = []
     first = model.layers[0].weight  # its gradient is the last to become ready
 
