@@ -111,7 +111,17 @@ void bind_reducer(py::module_& m) {
       .def_readonly("num_buckets", &leanddp::MemoryStats::num_buckets)
       .def_readonly("optimizer_state_bytes", &leanddp::MemoryStats::optimizer_state_bytes)
       .def_readonly("peak_bucket_bytes", &leanddp::MemoryStats::peak_bucket_bytes)
-      .def_readonly("max_buckets_in_flight", &leanddp::MemoryStats::max_buckets_in_flight);
+      .def_readonly("max_buckets_in_flight", &leanddp::MemoryStats::max_buckets_in_flight)
+      .def_readonly("host_master_bytes", &leanddp::MemoryStats::host_master_bytes)
+      .def_readonly("host_buffer_bytes", &leanddp::MemoryStats::host_buffer_bytes);
+  py::class_<leanddp::OffloadStats>(m, "OffloadStats")
+      .def_readonly("iterations", &leanddp::OffloadStats::iterations)
+      .def_readonly("buckets", &leanddp::OffloadStats::buckets)
+      .def_readonly("step_seconds", &leanddp::OffloadStats::step_seconds)
+      .def_readonly("wait_seconds", &leanddp::OffloadStats::wait_seconds)
+      .def_readonly("grad_norm", &leanddp::OffloadStats::grad_norm)
+      .def_readonly("master_bytes", &leanddp::OffloadStats::master_bytes)
+      .def_readonly("host_buffer_bytes", &leanddp::OffloadStats::host_buffer_bytes);
   py::class_<Reducer>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        const py::object& process_group, std::vector<int64_t> caps_bytes,
@@ -155,21 +165,39 @@ void bind_reducer(py::module_& m) {
           "set_optimizer",
           [](Reducer& self, const std::string& kind, std::vector<at::Tensor> params,
              std::vector<int64_t> group_of, const std::vector<py::dict>& groups,
-             const std::string& step_device, py::object fallback) {
+             const std::string& step_device, py::object fallback, bool offload, int offload_threads,
+             std::optional<double> max_grad_norm) {
             std::unique_ptr<leanddp::FusedOptimizer> fused;
             if (!kind.empty()) {
               TORCH_CHECK(kind == "sgd" || kind == "adam", "set_optimizer: unknown kind ", kind);
               fused = std::make_unique<leanddp::FusedOptimizer>(
-                  kind == "sgd" ? leanddp::OptimKind::kSgd : leanddp::OptimKind::kAdam,
-                  std::move(params), std::move(group_of), to_hypers(groups),
-                  c10::Device(step_device));
+                  kind == "sgd" ? leanddp::OptimKind::kSgd : leanddp::OptimKind::kAdam, params,
+                  std::move(group_of), to_hypers(groups), c10::Device(step_device), offload);
+            }
+            if (offload) {
+              TORCH_CHECK(fused, "set_optimizer: offload_to_cpu needs a fused optimizer kind");
+              leanddp::OffloadOptions options;
+              options.threads = offload_threads;
+              options.max_grad_norm = max_grad_norm;
+              auto host = std::make_unique<leanddp::HostOffload>(std::move(params),
+                                                                 std::move(fused), options);
+              py::gil_scoped_release no_gil;
+              self.set_offload(std::move(host));
+              return;
             }
             auto stepper = std::make_unique<PyStepper>(std::move(fallback));
             py::gil_scoped_release no_gil;
             self.set_optimizer(std::move(fused), std::move(stepper));
           },
           py::arg("kind"), py::arg("params"), py::arg("group_of"), py::arg("groups"),
-          py::arg("step_device"), py::arg("fallback"))
+          py::arg("step_device"), py::arg("fallback"), py::arg("offload") = false,
+          py::arg("offload_threads") = 1, py::arg("max_grad_norm") = py::none())
+      .def("wait_for_offload", &Reducer::wait_for_offload, py::arg("host_too") = false,
+           py::call_guard<py::gil_scoped_release>())
+      .def("shutdown_offload", &Reducer::shutdown_offload, py::call_guard<py::gil_scoped_release>())
+      .def("offload_stats", &Reducer::offload_stats, py::call_guard<py::gil_scoped_release>())
+      .def("load_master_weight", &Reducer::load_master_weight, py::arg("param"), py::arg("value"),
+           py::call_guard<py::gil_scoped_release>())
       .def(
           "set_optimizer_groups",
           [](Reducer& self, const std::vector<py::dict>& groups) {

@@ -11,32 +11,34 @@ namespace leanddp {
 namespace {
 
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
-               at::TensorList exp_avg_sq, const OptimHyper& h, int64_t step) {
+               at::TensorList exp_avg_sq, at::TensorList copies, const OptimHyper& h, int64_t step,
+               std::optional<double> grad_scale) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("leanddp::adam_step_", "")
                        .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                                    at::TensorList, double, double, double, double, double, int64_t,
                                    bool, bool, std::optional<double>)>();
-  op.call(params, grads, exp_avg, exp_avg_sq, {}, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-          step, h.decoupled, h.maximize, std::nullopt);
+  op.call(params, grads, exp_avg, exp_avg_sq, copies, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+          step, h.decoupled, h.maximize, grad_scale);
 }
 
 void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
-              const OptimHyper& h, bool first_step) {
+              at::TensorList copies, const OptimHyper& h, bool first_step,
+              std::optional<double> grad_scale) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("leanddp::sgd_step_", "")
           .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, double,
                       double, double, bool, double, bool, bool, std::optional<double>)>();
-  op.call(params, grads, momentum_buffer, {}, h.lr, h.momentum, h.dampening, h.nesterov,
-          h.weight_decay, h.maximize, first_step, std::nullopt);
+  op.call(params, grads, momentum_buffer, copies, h.lr, h.momentum, h.dampening, h.nesterov,
+          h.weight_decay, h.maximize, first_step, grad_scale);
 }
 
 }  // namespace
 
 FusedOptimizer::FusedOptimizer(OptimKind kind, std::vector<at::Tensor> params,
                                std::vector<int64_t> group_of, std::vector<OptimHyper> groups,
-                               c10::Device step_device)
+                               c10::Device step_device, bool on_host)
     : kind_(kind),
       params_(std::move(params)),
       group_of_(std::move(group_of)),
@@ -44,6 +46,11 @@ FusedOptimizer::FusedOptimizer(OptimKind kind, std::vector<at::Tensor> params,
       steps_(params_.size(), 0),
       step_tensors_(params_.size()) {
   TORCH_CHECK(group_of_.size() == params_.size(), "FusedOptimizer: one group per parameter");
+  TORCH_CHECK(!params_.empty(), "FusedOptimizer: no parameters");
+  const c10::Device device = params_[0].device();
+  state_options_ = at::TensorOptions(at::kFloat).device(on_host ? c10::Device(at::kCPU) : device);
+  if (on_host && device.is_cuda()) state_options_ = state_options_.pinned_memory(true);
+  on_host_ = on_host;
   set_groups(std::move(groups));
 }
 
@@ -61,17 +68,17 @@ size_t FusedOptimizer::num_buffers(int64_t group) const {
 }
 
 bool FusedOptimizer::can_step(size_t p) const {
-  return params_[p].scalar_type() == at::kFloat && params_[p].is_contiguous();
+  const auto dtype = params_[p].scalar_type();
+  const bool master_kind =
+      dtype == at::kFloat || (on_host_ && (dtype == at::kBFloat16 || dtype == at::kHalf));
+  return master_kind && params_[p].is_contiguous();
 }
 
 void FusedOptimizer::ensure_state(size_t index, const Bucket& bucket, size_t buffers) {
   if (flats_.size() <= index) flats_.resize(index + 1);
   auto& flats = flats_[index];
   if (flats.size() >= buffers) return;
-  const at::Tensor& first = params_[static_cast<size_t>(bucket.params.at(0))];
-  while (flats.size() < buffers) {
-    flats.push_back(at::zeros({bucket.numel}, first.options().requires_grad(false)));
-  }
+  while (flats.size() < buffers) flats.push_back(at::zeros({bucket.numel}, state_options_));
   ++generation_;
 }
 
@@ -81,7 +88,8 @@ at::Tensor FusedOptimizer::state_view(size_t index, const Bucket& bucket, size_t
   return flats_[index][k].narrow(0, bucket.offsets[slot], p.numel()).view(p.sizes());
 }
 
-void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<char>& mask) {
+void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<char>& mask,
+                          const StepTargets& targets) {
   // Members sharing a group and (Adam) a step count, or (SGD) whether their momentum buffer is
   // fresh, are stepped by one kernel launch.
   std::map<std::pair<int64_t, int64_t>, std::vector<size_t>> calls;
@@ -100,23 +108,29 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
   for (const auto& [key, slots] : calls) {
     const OptimHyper& h = groups_[static_cast<size_t>(key.first)];
     const size_t nbuf = num_buffers(key.first);
-    std::vector<at::Tensor> params, grads;
+    std::vector<at::Tensor> params, grads, copies;
     std::vector<std::vector<at::Tensor>> state(nbuf);
     for (size_t s : slots) {
-      params.push_back(params_[static_cast<size_t>(bucket.params[s])]);
-      grads.push_back(bucket.views[s]);
+      params.push_back(targets.params[s]);
+      grads.push_back(targets.grads[s]);
+      if (!targets.copies.empty() && targets.copies[s].defined()) {
+        copies.push_back(targets.copies[s]);
+      }
       for (size_t k = 0; k < nbuf; ++k) state[k].push_back(state_view(index, bucket, s, k));
     }
+    TORCH_CHECK(copies.empty() || copies.size() == params.size(),
+                "FusedOptimizer: low-precision copies for some members of a call only");
     if (kind_ == OptimKind::kAdam) {
-      adam_step(params, grads, state[0], state[1], h, key.second);
+      adam_step(params, grads, state[0], state[1], copies, h, key.second, targets.grad_scale);
     } else {
-      sgd_step(params, grads, nbuf ? state[0] : std::vector<at::Tensor>{}, h, key.second != 0);
+      sgd_step(params, grads, nbuf ? state[0] : std::vector<at::Tensor>{}, copies, h,
+               key.second != 0, targets.grad_scale);
     }
     for (size_t s : slots) {
       const auto p = static_cast<size_t>(bucket.params[s]);
       // As torch's in-place ops do: a tensor autograd saved from this parameter is now stale,
       // and autograd raises if a node that has not run yet still needs it.
-      torch::autograd::impl::bump_version(params_[p]);
+      torch::autograd::impl::bump_version(targets.params[s]);
       if (steps_[p]++ == 0) ++generation_;  // a parameter's state appears
       if (kind_ != OptimKind::kAdam) continue;
       if (step_tensors_[p].defined()) {

@@ -7,7 +7,12 @@
 // group. Per parameter it keeps torch's `step` tensor (Adam). Python exposes the per-parameter
 // views as the `state` of the user's torch optimizer, so checkpoints have torch's format.
 //
-// Not thread-safe: the Reducer calls every method with its lock held.
+// With offload_to_cpu (`on_host`) the same code steps the fp32 master weights in host memory:
+// the state lives in host memory (pinned when the parameters are on a GPU), float32 whatever
+// the parameters' dtype, and the caller says what is stepped (StepTargets).
+//
+// Not thread-safe: one thread at a time (the Reducer with its lock held, or HostOffload's worker
+// while the Reducer waits for it before touching the optimizer).
 #pragma once
 
 #include "bucket.h"
@@ -15,6 +20,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,23 +43,38 @@ struct OptimHyper {
   bool decoupled = false;  // AdamW's decoupled weight decay (else Adam's L2 term)
 };
 
+// What one bucket's step updates, per slot of the bucket: the float32 weights stepped in place
+// (`params`), their averaged gradients (`grads`, float32/bfloat16/float16, shaped like the
+// weights), and, if not empty, low-precision tensors that receive the updated weights
+// (`copies`; an undefined entry: none for that slot). `grad_scale` multiplies every gradient
+// (global-norm clipping).
+struct StepTargets {
+  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> grads;
+  std::vector<at::Tensor> copies;
+  std::optional<double> grad_scale;
+};
+
 class FusedOptimizer {
  public:
   // `params`: the Reducer's parameters; `group_of[p]`: the parameter group of parameter p.
   // `step_device`: where Adam's per-parameter `step` tensors live (torch keeps them on the
-  // parameter's device for fused or capturable Adam, on the CPU otherwise).
+  // parameter's device for fused or capturable Adam, on the CPU otherwise). `on_host`: the state
+  // lives in host memory (offload_to_cpu).
   FusedOptimizer(OptimKind kind, std::vector<at::Tensor> params, std::vector<int64_t> group_of,
-                 std::vector<OptimHyper> groups, c10::Device step_device);
+                 std::vector<OptimHyper> groups, c10::Device step_device, bool on_host = false);
 
   // Replaces the hyper-parameters (one per group), read by the next steps.
   void set_groups(std::vector<OptimHyper> groups);
-  // Whether the kernels can step parameter p: float32 and contiguous. Fixed for a parameter,
-  // whatever bucket it is in, so its state never moves between this and the fallback.
+  // Whether the kernels can step parameter p: contiguous and float32 (or, on the host, where
+  // float32 masters are stepped, bfloat16/float16). Fixed for a parameter, whatever bucket it
+  // is in, so its state never moves between this and the fallback.
   bool can_step(size_t p) const;
-  // Steps the members of bucket `index` whose `mask[slot]` is set (all of which can_step), with
-  // the averaged gradients in the bucket's views; allocates the bucket's state at its first
-  // step.
-  void step(size_t index, const Bucket& bucket, const std::vector<char>& mask);
+  // Steps the members of bucket `index` whose `mask[slot]` is set (all of which can_step):
+  // `targets` per slot; allocates the bucket's state at its first step. Bumps the version
+  // counters of the tensors stepped, as torch's in-place ops do.
+  void step(size_t index, const Bucket& bucket, const std::vector<char>& mask,
+            const StepTargets& targets);
   // The buckets were rebuilt: moves the state into the new layout.
   void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);
 
@@ -79,6 +100,8 @@ class FusedOptimizer {
   std::vector<int64_t> group_of_;   // fixed
   std::vector<OptimHyper> groups_;
   c10::Device step_device_;
+  at::TensorOptions state_options_;  // float32, on the parameters' device or the host
+  bool on_host_ = false;
   std::vector<std::vector<at::Tensor>> flats_;  // per bucket: its state buffers (may be empty)
   std::vector<int64_t> steps_;                  // per parameter: updates taken
   std::vector<at::Tensor> step_tensors_;        // per parameter (Adam): torch's `step`

@@ -82,6 +82,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
 }
 
 Reducer::~Reducer() {
+  if (offload_) offload_->shutdown();
   for (size_t i = 0; i < grad_accumulators_.size(); ++i) {
     grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
   }
@@ -349,6 +350,7 @@ void Reducer::finalize() {
     }
     if (options_.step_in_backward) {
       step_reduced_buckets(/*wait=*/true, &used);
+      if (offload_) offload_->end_iteration();
     } else {
       for (size_t b = 0; b < buckets_.size(); ++b) {
         collect_reduced(b);
@@ -399,17 +401,27 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
   std::vector<char> mask(bucket.params.size(), 0);
   std::vector<int64_t> others;
   std::vector<at::Tensor> other_grads;
+  FusedOptimizer* fused = offload_ ? nullptr : fused_.get();
   for (size_t s = 0; s < mask.size(); ++s) {
     const auto p = static_cast<size_t>(bucket.params[s]);
     if (used != nullptr && (*used)[p] == 0) continue;
-    if (fused_ && fused_->can_step(p)) {
+    if (offload_ || (fused && fused->can_step(p))) {
       mask[s] = 1;
     } else {
       others.push_back(bucket.params[s]);
       other_grads.push_back(bucket.views[s]);
     }
   }
-  if (fused_) fused_->step(index, bucket, mask);
+  if (offload_) {
+    offload_->submit(index, bucket, mask);
+  } else if (fused) {
+    StepTargets targets;
+    for (size_t s = 0; s < mask.size(); ++s) {
+      targets.params.push_back(params_[static_cast<size_t>(bucket.params[s])]);
+    }
+    targets.grads = bucket.views;
+    fused->step(index, bucket, mask, targets);
+  }
   if (!others.empty()) {
     TORCH_CHECK(fallback_, "leanddp.DistributedDataParallel: no optimizer for bucket ", index);
     fallback_->step(index, others, other_grads);
@@ -480,7 +492,12 @@ bool Reducer::rebuild_buckets() {
   at::NoGradGuard no_grad;
   const std::vector<Bucket> old_buckets = std::move(buckets_);
   build_buckets(assign_buckets(params_, order, options_.caps_bytes));
-  if (fused_) fused_->relayout(old_buckets, buckets_);
+  if (offload_) {
+    offload_->wait(/*host_too=*/true);
+    offload_->relayout(old_buckets, buckets_);
+  } else if (fused_) {
+    fused_->relayout(old_buckets, buckets_);
+  }
   if (options_.gradient_as_bucket_view) {
     for (size_t i = 0; i < n; ++i) {
       at::Tensor& grad = params_[i].mutable_grad();
@@ -529,32 +546,86 @@ void Reducer::set_optimizer(std::unique_ptr<FusedOptimizer> fused,
   fallback_ = std::move(fallback);
 }
 
+void Reducer::set_offload(std::unique_ptr<HostOffload> offload) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(options_.step_in_backward,
+              "leanddp.DistributedDataParallel: the Reducer was not built for "
+              "optimizer_in_backward");
+  check_before_first_backward("offload_to_cpu may be set");
+  offload_ = std::move(offload);
+  fused_.reset();
+  fallback_.reset();
+}
+
+void Reducer::wait_for_offload(bool host_too) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (offload_) offload_->wait(host_too);
+}
+
+void Reducer::shutdown_offload() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (offload_) offload_->shutdown();
+}
+
+OffloadStats Reducer::offload_stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return offload_ ? offload_->stats() : OffloadStats{};
+}
+
+void Reducer::wait_idle() const {
+  if (offload_) offload_->wait(/*host_too=*/true);
+}
+
+FusedOptimizer* Reducer::fused_optimizer() const {
+  return offload_ ? &offload_->optimizer() : fused_.get();
+}
+
+void Reducer::load_master_weight(size_t p, const at::Tensor& value) {
+  at::NoGradGuard no_grad;
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(p < params_.size(), "Reducer: no parameter ", p);
+  TORCH_CHECK(offload_, "Reducer: master weights exist only with offload_to_cpu");
+  wait_idle();
+  offload_->load_master(p, value);
+}
+
 void Reducer::set_optimizer_groups(std::vector<OptimHyper> groups) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (fused_) fused_->set_groups(std::move(groups));
+  wait_idle();
+  if (FusedOptimizer* fused = fused_optimizer()) fused->set_groups(std::move(groups));
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Reducer::optimizer_state(size_t p) const {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(p < params_.size(), "Reducer: no parameter ", p);
-  if (!fused_ || !fused_->can_step(p)) return {};
+  wait_idle();
+  FusedOptimizer* fused = fused_optimizer();
+  if (!fused || !fused->can_step(p)) return {};
   const auto [b, s] = location_[p];
-  return fused_->state(p, b, buckets_[b], s);
+  auto state = fused->state(p, b, buckets_[b], s);
+  if (offload_ && !state.empty() && offload_->master(p).defined()) {
+    state.emplace_back("master_weight", offload_->master(p));
+  }
+  return state;
 }
 
 void Reducer::load_optimizer_state(size_t p, int64_t step, const std::vector<at::Tensor>& values) {
   at::NoGradGuard no_grad;
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(p < params_.size(), "Reducer: no parameter ", p);
-  TORCH_CHECK(fused_ && fused_->can_step(p), "Reducer: parameter ", names_[p],
+  wait_idle();
+  FusedOptimizer* fused = fused_optimizer();
+  TORCH_CHECK(fused && fused->can_step(p), "Reducer: parameter ", names_[p],
               " is not stepped by the fused optimizer");
   const auto [b, s] = location_[p];
-  fused_->load_state(p, b, buckets_[b], s, step, values);
+  fused->load_state(p, b, buckets_[b], s, step, values);
 }
 
 int64_t Reducer::optimizer_generation() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return fused_ ? fused_->generation() : 0;
+  wait_idle();
+  FusedOptimizer* fused = fused_optimizer();
+  return (fused ? fused->generation() : 0) + (offload_ ? offload_->generation() : 0);
 }
 
 MemoryStats Reducer::memory_stats() const {
@@ -562,7 +633,14 @@ MemoryStats Reducer::memory_stats() const {
   MemoryStats stats;
   stats.num_buckets = static_cast<int64_t>(buckets_.size());
   stats.bucket_bytes = allocated_bytes_;
-  stats.optimizer_state_bytes = fused_ ? fused_->state_bytes() : 0;
+  if (offload_) {
+    offload_->wait(/*host_too=*/false);
+    const OffloadStats host = offload_->stats();
+    stats.host_master_bytes = host.master_bytes;
+    stats.host_buffer_bytes = host.host_buffer_bytes;
+  }
+  FusedOptimizer* fused = fused_optimizer();
+  stats.optimizer_state_bytes = fused ? fused->state_bytes() : 0;
   stats.peak_bucket_bytes = peak_bucket_bytes_;
   stats.max_buckets_in_flight = max_in_flight_;
   for (size_t i = 0; i < params_.size(); ++i) {

@@ -8,7 +8,9 @@
 // With optimizer_in_backward (ReducerOptions::step_in_backward) it also steps each bucket's
 // parameters as soon as the bucket's reduction is complete (checked at every hook, and at the
 // end of backward) and then releases the bucket's gradient memory: param.grad becomes None and
-// the flat buffer is freed, to be allocated again at the bucket's next gradient.
+// the flat buffer is freed, to be allocated again at the bucket's next gradient. With
+// offload_to_cpu (set_offload) the step is handed to HostOffload instead: the bucket is copied
+// to the host and released, and the next forward waits for the host steps (wait_for_offload).
 //
 // Threading: hooks and the final callback run on autograd's threads; the Python-facing methods
 // run on the caller's thread with the GIL released. All mutable state is guarded by `mu_`.
@@ -17,6 +19,7 @@
 #include "bucket.h"
 #include "comm_hook.h"
 #include "fused_optim.h"
+#include "offload.h"
 #include "stepper.h"
 
 #include <torch/csrc/autograd/function.h>
@@ -58,6 +61,9 @@ struct MemoryStats {
   // most buckets launched but not yet stepped (optimizer_in_backward).
   int64_t peak_bucket_bytes = 0;
   int64_t max_buckets_in_flight = 0;
+  // offload_to_cpu: float32 master weights, and staging/low-precision buffers, on the host.
+  int64_t host_master_bytes = 0;
+  int64_t host_buffer_bytes = 0;
 };
 
 class Reducer {
@@ -101,9 +107,23 @@ class Reducer {
   // (`fused`, may be null) are stepped in C++, the others by `fallback`.
   void set_optimizer(std::unique_ptr<FusedOptimizer> fused,
                      std::unique_ptr<BucketStepper> fallback);
+  // offload_to_cpu (before the first backward, instead of set_optimizer): every bucket is
+  // stepped on the host by `offload`.
+  void set_offload(std::unique_ptr<HostOffload> offload);
+  // Called at each forward, and before parameters are read: waits for the host steps of the
+  // last backward (offload_to_cpu; else returns at once) and rethrows an error met there.
+  // `host_too`: the host waits for the copies back as well (not only the current stream).
+  void wait_for_offload(bool host_too);
+  // Stops the offload worker (the process is exiting); later host steps are dropped.
+  void shutdown_offload();
+  OffloadStats offload_stats() const;
+  // Sets a low-precision parameter's float32 master weight (offload_to_cpu checkpoints).
+  void load_master_weight(size_t p, const at::Tensor& value);
   // The fused optimizer's live hyper-parameters, one per group (called at each forward).
   void set_optimizer_groups(std::vector<OptimHyper> groups);
-  // Parameter p's fused optimizer state in torch's format (empty if none, or not fused).
+  // Parameter p's fused optimizer state in torch's format (empty if none, or not fused); with
+  // offload_to_cpu a low-precision parameter's float32 master weight is added as
+  // "master_weight".
   std::vector<std::pair<std::string, at::Tensor>> optimizer_state(size_t p) const;
   // Loads parameter p's fused optimizer state (see FusedOptimizer::load_state).
   void load_optimizer_state(size_t p, int64_t step, const std::vector<at::Tensor>& values);
@@ -146,6 +166,11 @@ class Reducer {
   // Throws "<what> only before the first backward" once a backward has been prepared or run.
   void check_before_first_backward(const char* what) const;
   void release(size_t bucket_index);
+  // The fused optimizer, wherever it lives (null if none). With offload_to_cpu the worker must
+  // be idle (wait_idle()).
+  FusedOptimizer* fused_optimizer() const;
+  // offload_to_cpu: waits for the worker before the optimizer or masters are touched.
+  void wait_idle() const;
 
   // Fixed at construction.
   std::vector<at::Tensor> params_;
@@ -166,6 +191,7 @@ class Reducer {
   std::unique_ptr<CommHook> comm_hook_;
   std::unique_ptr<FusedOptimizer> fused_;    // optimizer_in_backward, fused buckets
   std::unique_ptr<BucketStepper> fallback_;  // optimizer_in_backward, the other buckets
+  std::unique_ptr<HostOffload> offload_;     // offload_to_cpu: steps every bucket on the host
 
   // Per synchronized backward; reset by prepare_for_backward().
   bool armed_ = false;  // hooks count readiness (false: no_sync / no forward)

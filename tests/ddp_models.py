@@ -16,15 +16,16 @@ D = 12
 
 class Net(nn.Module):
     """Tied weights (enc/dec share one Parameter), a frozen layer, BatchNorm buffers, a float64
-    layer; with ``unused=True`` also a branch only rank 0 uses and a layer no rank uses."""
+    layer (float32 if ``f64=False``); with ``unused=True`` also a branch only rank 0 uses and a
+    layer no rank uses."""
 
-    def __init__(self, unused: bool = False, rank: int = 0) -> None:
+    def __init__(self, unused: bool = False, rank: int = 0, f64: bool = True) -> None:
         super().__init__()
         self.enc = nn.Linear(D, D)
         self.frozen = nn.Linear(D, D)
         self.frozen.requires_grad_(False)
         self.bn = nn.BatchNorm1d(D)
-        self.f64 = nn.Linear(D, D).double()
+        self.f64 = nn.Linear(D, D).to(torch.float64 if f64 else torch.float32)
         self.dec = nn.Linear(D, D)
         self.dec.weight = self.enc.weight
         self.head = nn.Linear(D, 3)
@@ -37,7 +38,7 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.enc(x))
         h = self.bn(self.frozen(h))
-        h = h + self.f64(h.double()).float()
+        h = h + self.f64(h.to(self.f64.weight.dtype)).float()
         if self.use_branch:
             h = h + torch.tanh(self.branch(h))
         return self.head(torch.relu(self.dec(h)))

@@ -57,10 +57,18 @@ def scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSc
 class InBackwardLockStep:
     """torch's DDP + ``factory``'s optimizer (+ an LR scheduler) against leanddp with
     ``optimizer_in_backward=factory`` (+ the same scheduler on ``ddp.optimizer``), each on its
-    own process group."""
+    own process group. ``offload``: ours with offload_to_cpu=True; ``max_grad_norm``: ours
+    clips with it (offload), torch's side with clip_grad_norm_ before its step."""
 
     def __init__(
-        self, model: nn.Module, factory: Factory, with_scheduler: bool = True, **ddp_kwargs
+        self,
+        model: nn.Module,
+        factory: Factory,
+        with_scheduler: bool = True,
+        offload: bool = False,
+        max_grad_norm: float | None = None,
+        offload_threads: int | None = None,
+        **ddp_kwargs,
     ) -> None:
         self.ref = torch.nn.parallel.DistributedDataParallel(
             copy.deepcopy(model), process_group=dist.new_group(), **ddp_kwargs
@@ -70,8 +78,19 @@ class InBackwardLockStep:
             copy.deepcopy(model),
             process_group=dist.new_group(),
             optimizer_in_backward=factory,
+            **(
+                dict(
+                    offload_to_cpu=True,
+                    max_grad_norm=max_grad_norm,
+                    offload_threads=offload_threads,
+                )
+                if offload
+                else {}
+            ),
             **ddp_kwargs,
         )
+        self.max_grad_norm = max_grad_norm
+        self.ref_norm: float | None = None
         self.scheds = (
             [scheduler(self.ref_opt), scheduler(self.ours.optimizer)] if with_scheduler else []
         )
@@ -82,6 +101,9 @@ class InBackwardLockStep:
         unchanged training loop would."""
         for ddp in (self.ref, self.ours):
             accumulate(ddp, batches)
+        if self.max_grad_norm is not None:
+            params = self.ref.module.parameters()
+            self.ref_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
         self.ref_opt.step()
         self.ref_opt.zero_grad()
         if legacy_calls:
@@ -91,12 +113,10 @@ class InBackwardLockStep:
             s.step()
 
     def pairs(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        return [
-            (name, a, b)
-            for (name, a), b in zip(
-                self.ref.module.named_parameters(), self.ours.module.parameters(), strict=True
-            )
-        ]
+        """(name, torch's parameter, ours), ours read through ``state_dict()``, which waits for
+        offload_to_cpu's host steps."""
+        ours = self.ours.module.state_dict(keep_vars=True)
+        return [(name, a, ours[name]) for name, a in self.ref.module.named_parameters()]
 
 
 def completed_allreduce_hook(state: dist.ProcessGroup | None, bucket) -> torch.futures.Future:

@@ -18,6 +18,8 @@ from torch import nn
 import leanddp
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
+ADAGRAD = functools.partial(torch.optim.Adagrad, lr=1e-2)
+AMSGRAD = functools.partial(torch.optim.AdamW, lr=1e-2, amsgrad=True)
 
 
 def _model() -> nn.Module:
@@ -48,8 +50,21 @@ def _errors(rank: int, world_size: int) -> None:
         build(optimizer_in_backward=ADAMW, max_grad_norm=1.0)
     with pytest.raises(ValueError, match="max_grad_norm"):
         build(max_grad_norm=1.0)
-    with pytest.raises(NotImplementedError, match="offload_to_cpu"):
-        build(optimizer_in_backward=ADAMW, offload_to_cpu=True)
+    offload = dict(optimizer_in_backward=ADAMW, offload_to_cpu=True)
+    for bad, error, message in [
+        (dict(max_grad_norm=0.0), ValueError, "max_grad_norm must be positive and finite"),
+        (dict(max_grad_norm=float("inf")), ValueError, "max_grad_norm must be positive"),
+        (dict(max_grad_norm="1"), TypeError, "max_grad_norm must be a number"),
+        (dict(offload_threads=0), ValueError, "offload_threads must be a positive int"),
+        (dict(optimizer_in_backward=ADAGRAD), ValueError, "fused kernels.*got Adagrad"),
+        (dict(optimizer_in_backward=AMSGRAD), ValueError, "AdamW with amsgrad"),
+    ]:
+        with pytest.raises(error, match=message):
+            build(**{**offload, **bad})
+    model.double()
+    with pytest.raises(ValueError, match="parameter '0.weight' is torch.float64"):
+        build(**offload)
+    model.float()
     for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p, b) and p.grad is None  # nothing changed before the errors
 

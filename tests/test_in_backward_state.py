@@ -28,9 +28,13 @@ def _torch_ddp(model: nn.Module) -> torch.nn.parallel.DistributedDataParallel:
     return torch.nn.parallel.DistributedDataParallel(model, process_group=dist.new_group())
 
 
-def _ours(model: nn.Module, factory) -> leanddp.DistributedDataParallel:
+def _ours(model: nn.Module, factory, offload: bool = False) -> leanddp.DistributedDataParallel:
     return leanddp.DistributedDataParallel(
-        model, process_group=dist.new_group(), optimizer_in_backward=factory, bucket_cap_mb=0.0005
+        model,
+        process_group=dist.new_group(),
+        optimizer_in_backward=factory,
+        bucket_cap_mb=0.0005,
+        offload_to_cpu=offload,
     )
 
 
@@ -52,13 +56,14 @@ def _same_format(ours: dict, theirs: dict) -> None:
             assert ours["state"][k][name].device == value.device
 
 
-def _checkpoints(rank: int, world_size: int, name: str) -> None:
+def _checkpoints(rank: int, world_size: int, name: str, offload: bool) -> None:
     factory = OPTIMIZERS[name]
-    model = Net(rank=rank)
+    net = functools.partial(Net, rank=rank, f64=not offload)  # offload: no float64 parameters
+    model = net()
     # A plain torch run and an in-backward run side by side for three steps.
     ref = _torch_ddp(copy.deepcopy(model))
     ref_opt = factory(ref.module.parameters())
-    ours = _ours(copy.deepcopy(model), factory)
+    ours = _ours(copy.deepcopy(model), factory, offload)
     for _ in range(3):
         torch.manual_seed(rank * 100 + _)
         _loss(ref)
@@ -73,11 +78,11 @@ def _checkpoints(rank: int, world_size: int, name: str) -> None:
     _same_format(saved_ours["optim"], saved_ref["optim"])
 
     # ours -> plain torch, and plain torch -> ours (loaded before its first step).
-    plain = _torch_ddp(Net(rank=rank))
+    plain = _torch_ddp(net())
     plain.module.load_state_dict(saved_ours["model"])
     plain_opt = factory(plain.module.parameters())
     plain_opt.load_state_dict(saved_ours["optim"])
-    resumed = _ours(Net(rank=rank), factory)
+    resumed = _ours(net(), factory, offload)
     resumed.module.load_state_dict(saved_ref["model"])
     resumed.optimizer.load_state_dict(saved_ref["optim"])
     for step in range(3, 6):
@@ -88,6 +93,8 @@ def _checkpoints(rank: int, world_size: int, name: str) -> None:
             if opt is not None:
                 opt.step()
                 opt.zero_grad()
+        ours.synchronize()  # offload: the host steps are done (a no-op otherwise)
+        resumed.synchronize()
         for (pn, a), b, c, d in zip(
             ref.module.named_parameters(),
             ours.module.parameters(),
@@ -103,9 +110,20 @@ def _checkpoints(rank: int, world_size: int, name: str) -> None:
     _same_format(resumed.optimizer.state_dict(), ref_opt.state_dict())
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd-nesterov", "adagrad"])
-def test_checkpoint_round_trip_both_ways(name: str) -> None:
-    run_ranks(2, _checkpoints, name)
+@pytest.mark.parametrize(
+    "name,offload",
+    [
+        ("adamw", False),
+        ("sgd-nesterov", False),
+        ("adagrad", False),
+        ("adamw", True),
+        ("sgd-nesterov", True),
+    ],
+    ids=["adamw", "sgd-nesterov", "adagrad", "adamw-offload", "sgd-nesterov-offload"],
+)
+def test_checkpoint_round_trip_both_ways(name: str, offload: bool) -> None:
+    """ddp.optimizer's checkpoints load into plain torch and back (offload: state on the host)."""
+    run_ranks(2, _checkpoints, name, offload)
 
 
 class Deep(nn.Module):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,6 +55,12 @@ class DDPConfig:
     """Names in ``module._ddp_params_and_buffers_to_ignore``: neither synced nor reduced."""
     optimizer_in_backward: Callable[..., torch.optim.Optimizer] | None = None
     """Factory of the optimizer stepped bucket by bucket inside backward (None: off)."""
+    offload_to_cpu: bool = False
+    """Optimizer state and float32 master weights in host memory, stepped there by a worker."""
+    max_grad_norm: float | None = None
+    """offload_to_cpu: clip the gradients' global 2-norm to this, as clip_grad_norm_ would."""
+    offload_threads: int = 1
+    """offload_to_cpu: threads of the host optimizer step."""
 
     def without_group(self) -> DDPConfig:
         """A picklable copy (process groups do not pickle)."""
@@ -70,9 +78,55 @@ _UNSUPPORTED = {
 }
 
 _LATER = {
-    "offload_to_cpu": (False, "offload_to_cpu (optimizer state in pinned host memory)"),
     "check_for_nan_in_grad": (False, "check_for_nan_in_grad"),
 }
+
+
+def default_offload_threads() -> int:
+    """The host step's threads by default: this process's share of the CPUs it may run on
+    (torchrun's LOCAL_WORLD_SIZE processes share a machine)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, cpus // local)
+
+
+def _check_offload(kw: dict[str, Any]) -> tuple[bool, float | None, int]:
+    offload, max_norm, threads = kw["offload_to_cpu"], kw["max_grad_norm"], kw["offload_threads"]
+    if not isinstance(offload, bool):
+        _fail(f"offload_to_cpu must be a bool, got {offload!r}", TypeError)
+    if offload and kw["optimizer_in_backward"] is None:
+        _fail(
+            "offload_to_cpu=True needs optimizer_in_backward=<optimizer factory>: the optimizer "
+            "state and master weights it moves to the host are stepped there as each bucket is "
+            "reduced, so the wrapper must own the optimizer (e.g. optimizer_in_backward="
+            "functools.partial(torch.optim.AdamW, lr=1e-3))"
+        )
+    if max_norm is not None:
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            _fail(f"max_grad_norm must be a number, got {max_norm!r}", TypeError)
+        if not (math.isfinite(max_norm) and max_norm > 0):
+            _fail(f"max_grad_norm must be positive and finite, got {max_norm!r}")
+        if not offload:
+            _fail(
+                "max_grad_norm needs optimizer_in_backward with offload_to_cpu=True: stepping "
+                "bucket by bucket on the device, a bucket is stepped before the global gradient "
+                "norm is known, so clipping could not be exact. Without optimizer_in_backward, "
+                "clip with torch.nn.utils.clip_grad_norm_ before optimizer.step() as usual"
+            )
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
+            _fail(f"offload_threads must be a positive int or None, got {threads!r}")
+        if not offload:
+            _fail("offload_threads is meaningful only with offload_to_cpu=True")
+    return offload, None if max_norm is None else float(max_norm), (
+        threads if threads is not None else default_offload_threads()
+    )
 
 
 def _fail(message: str, cls: type[Exception] = ValueError) -> None:
@@ -162,13 +216,7 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
             f"{type(factory).__name__}",
             TypeError,
         )
-    if kw["max_grad_norm"] is not None:
-        _fail(
-            "max_grad_norm needs optimizer_in_backward with offload_to_cpu=True: stepping "
-            "bucket by bucket on the device, a bucket is stepped before the global gradient "
-            "norm is known, so clipping could not be exact. Without optimizer_in_backward, clip "
-            "with torch.nn.utils.clip_grad_norm_ before optimizer.step() as usual"
-        )
+    offload, max_grad_norm, offload_threads = _check_offload(kw)
     for name in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "init_sync"):
         if not isinstance(kw[name], bool):
             _fail(f"{name} must be a bool, got {kw[name]!r}", TypeError)
@@ -211,4 +259,7 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
         batched_grad_copy=bool(kw["batched_grad_copy"]),
         ignored_names=ignored,
         optimizer_in_backward=factory,
+        offload_to_cpu=offload,
+        max_grad_norm=max_grad_norm,
+        offload_threads=offload_threads,
     )

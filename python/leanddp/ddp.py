@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.nn.parallel.distributed import _find_tensors
 
-from . import _comm, optim
+from . import _comm, _offload, optim
 from ._collectives import broadcast_from_rank0, verify_same_parameters
 from ._config import DDPConfig, check_arguments
 from ._extension import _C
@@ -35,9 +35,15 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     returns is ``self.optimizer``: LR schedulers and checkpoints use it as usual, and its
     ``step()`` does nothing (see docs/ddp.md).
 
-    Keyword-only additions arriving in later releases (a non-default value raises
-    NotImplementedError now): ``offload_to_cpu``, ``check_for_nan_in_grad``;
-    ``max_grad_norm`` needs ``offload_to_cpu``.
+    ``offload_to_cpu=True`` (with ``optimizer_in_backward``): optimizer state and float32
+    master weights live in host memory; each reduced bucket is copied there, its device memory
+    released, and a C++ worker (``offload_threads`` threads, default: this process's share of
+    the CPUs) steps it while backward goes on; the updated weights are copied back and the next
+    forward waits for them. ``max_grad_norm``: exact global-norm clipping (as
+    ``torch.nn.utils.clip_grad_norm_``) of each step, with offload_to_cpu.
+
+    Arriving in a later release (a non-default value raises NotImplementedError now):
+    ``check_for_nan_in_grad``.
 
     Construction broadcasts parameters and buffers from rank 0 and checks that every rank
     holds the same parameters (a collective every rank must enter), unless
@@ -70,6 +76,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         optimizer_in_backward: Callable[..., torch.optim.Optimizer] | None = None,
         offload_to_cpu: bool = False,
         max_grad_norm: float | None = None,
+        offload_threads: int | None = None,
         check_for_nan_in_grad: bool = False,
     ) -> None:
         nn.Module.__init__(self)
@@ -97,6 +104,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             optimizer_in_backward=optimizer_in_backward,
             offload_to_cpu=offload_to_cpu,
             max_grad_norm=max_grad_norm,
+            offload_threads=offload_threads,
             check_for_nan_in_grad=check_for_nan_in_grad,
         )
         self.module = module
@@ -107,8 +115,18 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if config.optimizer_in_backward is not None:
             named = self._named_trainable
             optimizer, group_of = optim.build_optimizer(config.optimizer_in_backward, module, named)
+            if config.offload_to_cpu:
+                optim.check_offload(optimizer, named)
             self.optimizer = optimizer
-            self._in_backward = optim.InBackward(self, optimizer, group_of, [p for _, p in named])
+            self._in_backward = optim.InBackward(
+                self,
+                optimizer,
+                group_of,
+                [p for _, p in named],
+                config.offload_to_cpu,
+                config.offload_threads,
+                config.max_grad_norm,
+            )
         if config.init_sync:
             verify_same_parameters(self._named_trainable, self.process_group)
             state = [
@@ -188,6 +206,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         )
         if self._in_backward is not None:
             self._in_backward.attach(self.reducer)
+        if self._config.offload_to_cpu:
+            _offload.install_waits(self)
         for hook, state in self._comm_hooks:
             self._attach_comm_hook(hook, state)
 
@@ -197,6 +217,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Runs the module; arms the Reducer unless inside :meth:`no_sync` or without grad."""
         with torch.autograd.profiler.record_function("leanddp.DistributedDataParallel.forward"):
+            if self._config.offload_to_cpu:
+                self.reducer.wait_for_offload()  # last step's weights are back
             grad_enabled = torch.is_grad_enabled()
             if grad_enabled:
                 self._warn_replaced_grads(self.reducer.prepare_for_forward())
@@ -286,23 +308,52 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def memory_stats(self) -> dict[str, int]:
         """Bytes held now: ``param_bytes`` (trainable parameters), ``bucket_bytes`` (flat
         buckets allocated), ``grad_bytes`` (gradients held outside the buckets),
-        ``optimizer_state_bytes`` (``self.optimizer``'s state; 0 without
-        optimizer_in_backward); the counts ``grads_as_views``, ``grads_outside`` and
-        ``num_buckets``; and, for the last synchronized backward, ``peak_bucket_bytes`` (most
-        bucket bytes allocated at once) and ``max_buckets_in_flight`` (most buckets reduced or
-        reducing but not yet stepped, with optimizer_in_backward)."""
+        ``optimizer_state_bytes`` (``self.optimizer``'s state, on the host with offload_to_cpu;
+        0 without optimizer_in_backward), ``host_master_bytes`` (float32 master weights of
+        bfloat16/float16 parameters and copies of float32 ones, offload_to_cpu) and
+        ``host_buffer_bytes`` (offload_to_cpu's host staging buffers); the counts
+        ``grads_as_views``, ``grads_outside`` and ``num_buckets``; and, for the last
+        synchronized backward, ``peak_bucket_bytes`` (most bucket bytes allocated at once) and
+        ``max_buckets_in_flight`` (most buckets reduced or reducing but not yet stepped, with
+        optimizer_in_backward)."""
         s = self.reducer.memory_stats()
         return {
             "param_bytes": sum(p.numel() * p.element_size() for p in self._params),
             "bucket_bytes": s.bucket_bytes,
             "grad_bytes": s.grad_bytes,
             "optimizer_state_bytes": self._in_backward.state_bytes() if self._in_backward else 0,
+            "host_master_bytes": s.host_master_bytes,
+            "host_buffer_bytes": s.host_buffer_bytes,
             "grads_as_views": s.grads_as_views,
             "grads_outside": s.grads_outside,
             "num_buckets": s.num_buckets,
             "peak_bucket_bytes": s.peak_bucket_bytes,
             "max_buckets_in_flight": s.max_buckets_in_flight,
         }
+
+    def offload_stats(self) -> dict[str, float]:
+        """offload_to_cpu's host side, counted since construction: ``iterations`` and
+        ``buckets`` stepped on the host, ``step_seconds`` (the worker's busy time),
+        ``wait_seconds`` (time the training loop was blocked waiting for it, at forwards and
+        state reads), and ``grad_norm``: the last step's total gradient norm before clipping
+        (what ``clip_grad_norm_`` returns; -1 without ``max_grad_norm``). Zeros without
+        offload_to_cpu."""
+        s = self.reducer.offload_stats()
+        return {
+            "iterations": s.iterations,
+            "buckets": s.buckets,
+            "step_seconds": s.step_seconds,
+            "wait_seconds": s.wait_seconds,
+            "grad_norm": s.grad_norm,
+        }
+
+    def synchronize(self) -> None:
+        """Waits until the last step's host updates are in the parameters (offload_to_cpu; a
+        no-op otherwise) and raises an error the host step met. Forwards, ``state_dict()`` of
+        the wrapped modules and ``self.optimizer``'s state do this by themselves; call it before
+        reading parameters any other way between a backward and the next forward."""
+        if self._config.offload_to_cpu:
+            self.reducer.wait_for_offload(host_too=True)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """The fields of torch's DDP logging data that leanddp shares, with torch's keys."""

@@ -11,6 +11,9 @@ scheduler changes and its ``state_dict()`` has exactly torch's format.
 * Every other case (another class, an option the kernels lack, a non-float32 or non-contiguous
   parameter) is stepped by a per-bucket instance of the user's class over that bucket's
   parameters, sharing ``optimizer.state`` (:class:`_FallbackStepper`).
+* With ``offload_to_cpu`` every parameter is stepped on the host by the fused kernels
+  (``HostOffload`` in csrc/offload.h): the state is in host memory, and bfloat16/float16
+  parameters get float32 master weights there, exposed as ``state[p]["master_weight"]``.
 """
 
 from __future__ import annotations
@@ -73,9 +76,40 @@ def build_optimizer(
     return optimizer, group_of
 
 
-def fused_kind(optimizer: torch.optim.Optimizer) -> str:
-    """ "sgd" or "adam" when leanddp's fused kernels can step this optimizer, else ""."""
-    kind = _FUSED_KINDS.get(type(optimizer), "")
+_MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_offload(
+    optimizer: torch.optim.Optimizer, trainable: Sequence[tuple[str, nn.Parameter]]
+) -> None:
+    """offload_to_cpu steps every parameter on the host with the fused kernels: raises a
+    ValueError naming what they cannot step (before any state changes)."""
+    if not fused_kind(optimizer):
+        _fail(
+            f"offload_to_cpu steps on the host with leanddp's fused kernels, which cover "
+            f"torch.optim.SGD, Adam and AdamW (without amsgrad or differentiable); got "
+            f"{type(optimizer).__name__}"
+            + (" with amsgrad or differentiable set" if fused_kind(type(optimizer)) else "")
+        )
+    for name, p in trainable:
+        if p.dtype not in _MASTER_DTYPES:
+            _fail(
+                f"offload_to_cpu steps float32, bfloat16 and float16 parameters (with float32 "
+                f"master weights); parameter {name!r} is {p.dtype}"
+            )
+        if not p.is_contiguous():
+            _fail(
+                f"offload_to_cpu needs contiguous parameters; parameter {name!r} has strides "
+                f"{p.stride()} (make it contiguous before wrapping)"
+            )
+
+
+def fused_kind(optimizer: torch.optim.Optimizer | type) -> str:
+    """ "sgd" or "adam" when leanddp's fused kernels can step this optimizer (or class), else
+    ""."""
+    if isinstance(optimizer, type):
+        return _FUSED_KINDS.get(_base_class_of(optimizer), "")
+    kind = _FUSED_KINDS.get(_base_class(optimizer), "")
     for group in optimizer.param_groups:
         if group.get("differentiable") or group.get("amsgrad"):
             return ""
@@ -109,6 +143,9 @@ class InBackward:
         optimizer: torch.optim.Optimizer,
         group_of: list[int],
         params: list[nn.Parameter],
+        offload: bool = False,
+        offload_threads: int = 1,
+        max_grad_norm: float | None = None,
     ) -> None:
         self._ddp = weakref.ref(ddp)  # the Reducer holds the optimizer: no cycle through C++
         self.optimizer = optimizer
@@ -116,13 +153,13 @@ class InBackward:
         self.kind = fused_kind(optimizer)
         self.params = params
         self.group_of = group_of
-        self.fused = [
-            bool(self.kind) and p.dtype == torch.float32 and p.is_contiguous() for p in params
-        ]
+        self.offload = (offload, offload_threads, max_grad_norm)
+        dtypes = _MASTER_DTYPES if offload else (torch.float32,)
+        self.fused = [bool(self.kind) and p.dtype in dtypes and p.is_contiguous() for p in params]
         self._generation = -1
         self.loading = False  # inside optimizer.load_state_dict(): the state is the loaded one
         on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
-        self.step_device = str(params[0].device) if on_device else "cpu"
+        self.step_device = str(params[0].device) if on_device and not offload else "cpu"
         _make_facade(optimizer, self)
         guard_clipping(params)
 
@@ -141,6 +178,7 @@ class InBackward:
             self._hypers(),
             self.step_device,
             _FallbackStepper(self.optimizer, self.cls, self.params, self.group_of),
+            *self.offload,
         )
         self._generation = -1
         if self.optimizer.__dict__["state"]:
@@ -185,6 +223,8 @@ class InBackward:
             if not self.fused[i]:
                 continue
             entry = state.get(p, {})
+            if "master_weight" in entry and self.offload[0]:
+                reducer.load_master_weight(i, entry["master_weight"])
             if self.kind == "adam":
                 if "step" in entry:
                     values = [entry["exp_avg"], entry["exp_avg_sq"]]
@@ -206,7 +246,9 @@ class InBackward:
         self.sync_state()
         seen: dict[tuple[str, int], int] = {}
         for entry in self.optimizer.__dict__["state"].values():
-            for value in entry.values():
+            for key, value in entry.items():
+                if key == "master_weight":  # counted as master weights, not state
+                    continue
                 if isinstance(value, Tensor) and value.numel() > 0:
                     storage = value.untyped_storage()
                     seen[(str(value.device), storage.data_ptr())] = storage.nbytes()
@@ -283,7 +325,10 @@ _FACADES: dict[type, type] = {}
 
 
 def _base_class(optimizer: torch.optim.Optimizer) -> type:
-    cls = type(optimizer)
+    return _base_class_of(type(optimizer))
+
+
+def _base_class_of(cls: type) -> type:
     return cls.__bases__[0] if getattr(cls, "_leanddp_in_backward", False) else cls
 
 

@@ -1,0 +1,294 @@
+#include "offload.h"
+
+#include <ATen/Parallel.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace leanddp {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// torch.nn.utils.clip_grad_norm_'s coefficient, in its float32 arithmetic:
+// clamp(max_norm / (total_norm + 1e-6), max=1), where float / tensor is reciprocal() * float.
+double clip_coefficient(double total_norm, double max_norm) {
+  const float denom = static_cast<float>(total_norm) + 1e-6f;
+  const float coef = (1.0f / denom) * static_cast<float>(max_norm);
+  return std::isnan(coef) ? coef : std::min(coef, 1.0f);
+}
+
+}  // namespace
+
+HostOffload::HostOffload(std::vector<at::Tensor> params, std::unique_ptr<FusedOptimizer> optimizer,
+                         OffloadOptions options)
+    : params_(std::move(params)), optimizer_(std::move(optimizer)), options_(options) {
+  TORCH_CHECK(!params_.empty() && optimizer_, "HostOffload: no parameters or no optimizer");
+  TORCH_CHECK(options_.threads > 0, "HostOffload: threads must be positive");
+  const c10::Device device = params_[0].device();
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(),
+              "offload_to_cpu supports parameters on the CPU or a CUDA GPU, not ", device);
+  on_gpu_ = device.is_cuda();
+  if (on_gpu_) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    copy_stream_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+  }
+  host_options_ = at::TensorOptions().device(at::kCPU).pinned_memory(on_gpu_);
+  const size_t n = params_.size();
+  masters_.resize(n);
+  copies_.resize(n);
+  versions_.assign(n, 0);
+  worker_ = std::thread([this] { run_worker(); });
+}
+
+HostOffload::~HostOffload() { shutdown(); }
+
+void HostOffload::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    queue_.clear();
+  }
+  cv_.notify_all();
+  if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
+}
+
+void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<char>& mask) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_ || error_) return;  // dropped: the error surfaces at the next wait()
+  }
+  if (staging_.size() <= index) staging_.resize(index + 1);
+  at::Tensor& staging = staging_[index];
+  if (!staging.defined()) {
+    staging = at::empty({bucket.numel}, host_options_.dtype(bucket.flat.scalar_type()));
+  }
+  Job job;
+  job.index = index;
+  job.layout.params = bucket.params;
+  job.layout.offsets = bucket.offsets;
+  job.layout.numel = bucket.numel;
+  job.mask = mask;
+  job.staging = staging;
+  // Masters of parameters someone else changed since our last write (or not made yet) are
+  // read from the parameters, in the same stream order as the gradients.
+  auto copy_to_host = [&] {
+    staging.copy_(bucket.flat, /*non_blocking=*/on_gpu_);
+    for (int64_t i : bucket.params) {
+      const auto p = static_cast<size_t>(i);
+      const at::Tensor& param = params_[p];
+      if (masters_[p].defined() && param._version() == versions_[p]) continue;
+      if (!masters_[p].defined()) {
+        masters_[p] = at::empty(param.sizes(), host_options_.dtype(at::kFloat));
+        if (low_precision(p))
+          copies_[p] = at::empty(param.sizes(), host_options_.dtype(param.dtype()));
+        ++generation_;
+      }
+      masters_[p].copy_(param, /*non_blocking=*/on_gpu_);
+      versions_[p] = param._version();
+    }
+  };
+  if (on_gpu_) {
+    const c10::Device device = bucket.flat.device();
+    c10::impl::VirtualGuardImpl impl(device.type());
+    c10::Event produced(device.type());
+    produced.record(impl.getStream(device));  // the gradients are final after this point
+    produced.block(*copy_stream_);
+    {
+      c10::StreamGuard guard(*copy_stream_);
+      copy_to_host();
+    }
+    // The caller releases the bucket now; its memory is reused only after the copy.
+    impl.recordDataPtrOnStream(bucket.flat.storage().data_ptr(), *copy_stream_);
+    job.copied = std::make_shared<c10::Event>(device.type());
+    job.copied->record(*copy_stream_);
+  } else {
+    copy_to_host();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(job));
+  }
+  cv_.notify_all();
+}
+
+void HostOffload::end_iteration() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_ || error_) return;
+    Job marker;
+    marker.end = true;
+    queue_.push_back(std::move(marker));
+  }
+  cv_.notify_all();
+}
+
+void HostOffload::wait(bool host_too) {
+  const auto start = std::chrono::steady_clock::now();
+  std::exception_ptr error;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+    stats_.wait_seconds += seconds_since(start);
+    std::swap(error, error_);
+  }
+  if (on_gpu_) {
+    const c10::Device device = params_[0].device();
+    c10::impl::VirtualGuardImpl impl(device.type());
+    c10::Event copied(device.type());
+    copied.record(*copy_stream_);
+    copied.block(impl.getStream(device));
+    if (host_too) copied.synchronize();
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+void HostOffload::run_worker() {
+  // The step kernels use at::parallel_for, an OpenMP team sized by this thread's own setting.
+  at::internal::lazy_init_num_threads();
+#ifdef _OPENMP
+  omp_set_num_threads(options_.threads);
+#endif
+  at::NoGradGuard no_grad;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (stop_) return;
+    Job job = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lock.unlock();
+    const auto start = std::chrono::steady_clock::now();
+    std::exception_ptr error;
+    try {
+      process(job);
+    } catch (c10::Error& e) {
+      e.add_context(
+          "in leanddp offload_to_cpu's host step (the weights of this iteration may be "
+          "partly updated)");
+      error = std::current_exception();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    job = Job();  // drop the references before publishing
+    lock.lock();
+    busy_ = false;
+    stats_.step_seconds += seconds_since(start);
+    if (error) {
+      error_ = error;
+      queue_.clear();
+      held_.clear();
+      sum_squares_ = 0;
+    }
+    cv_.notify_all();
+  }
+}
+
+void HostOffload::process(Job& job) {
+  if (job.end) {
+    finish_iteration();
+    return;
+  }
+  if (job.copied) job.copied->synchronize();
+  if (!options_.max_grad_norm) {
+    step_job(job, std::nullopt);
+    return;
+  }
+  // Unused parameters' slots hold zeros: the sum is over the gradients torch would clip.
+  const double norm =
+      at::linalg_vector_norm(job.staging, 2, std::nullopt, false, at::kDouble).item<double>();
+  sum_squares_ += norm * norm;
+  held_.push_back(std::move(job));
+}
+
+void HostOffload::finish_iteration() {
+  double grad_norm = -1;
+  if (options_.max_grad_norm) {
+    grad_norm = std::sqrt(sum_squares_);
+    const double coef = clip_coefficient(grad_norm, *options_.max_grad_norm);
+    std::vector<Job> held = std::move(held_);
+    held_.clear();
+    sum_squares_ = 0;
+    for (const Job& job : held) step_job(job, coef);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.iterations;
+  stats_.grad_norm = grad_norm;
+}
+
+void HostOffload::step_job(const Job& job, std::optional<double> grad_scale) {
+  const Bucket& layout = job.layout;
+  StepTargets targets;
+  targets.grad_scale = grad_scale;
+  for (size_t s = 0; s < layout.params.size(); ++s) {
+    const auto p = static_cast<size_t>(layout.params[s]);
+    targets.params.push_back(masters_[p]);
+    targets.grads.push_back(
+        job.staging.narrow(0, layout.offsets[s], params_[p].numel()).view(params_[p].sizes()));
+    targets.copies.push_back(copies_[p]);
+  }
+  optimizer_->step(job.index, layout, job.mask, targets);
+  std::optional<c10::StreamGuard> guard;
+  if (on_gpu_) guard.emplace(*copy_stream_);
+  for (size_t s = 0; s < layout.params.size(); ++s) {
+    if (!job.mask[s]) continue;
+    const auto p = static_cast<size_t>(layout.params[s]);
+    at::Tensor& param = params_[p];
+    param.copy_(low_precision(p) ? copies_[p] : masters_[p], /*non_blocking=*/on_gpu_);
+    versions_[p] = param._version();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.buckets;
+}
+
+void HostOffload::relayout(const std::vector<Bucket>& old_buckets,
+                           const std::vector<Bucket>& new_buckets) {
+  optimizer_->relayout(old_buckets, new_buckets);
+  staging_.clear();
+}
+
+at::Tensor HostOffload::master(size_t p) const {
+  return low_precision(p) ? masters_[p] : at::Tensor();
+}
+
+void HostOffload::load_master(size_t p, const at::Tensor& value) {
+  const at::Tensor& param = params_[p];
+  TORCH_CHECK(value.numel() == param.numel(), "offload_to_cpu: a master weight of ", value.numel(),
+              " elements for a parameter of ", param.numel());
+  if (!masters_[p].defined()) {
+    masters_[p] = at::empty(param.sizes(), host_options_.dtype(at::kFloat));
+    if (low_precision(p)) copies_[p] = at::empty(param.sizes(), host_options_.dtype(param.dtype()));
+  }
+  masters_[p].copy_(value.reshape(param.sizes()));
+  versions_[p] = param._version();
+  ++generation_;
+}
+
+OffloadStats HostOffload::stats() const {
+  OffloadStats out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    out = stats_;
+  }
+  for (size_t p = 0; p < params_.size(); ++p) {
+    if (masters_[p].defined()) out.master_bytes += static_cast<int64_t>(masters_[p].nbytes());
+    if (copies_[p].defined()) out.host_buffer_bytes += static_cast<int64_t>(copies_[p].nbytes());
+  }
+  for (const at::Tensor& s : staging_) {
+    if (s.defined()) out.host_buffer_bytes += static_cast<int64_t>(s.nbytes());
+  }
+  return out;
+}
+
+}  // namespace leanddp

@@ -1,0 +1,299 @@
+"""offload_to_cpu against torch's DDP followed by the same torch optimizer (and
+clip_grad_norm_), on random data in the same processes: parameters after every step within 1e-5
+relative, with accumulation, an LR scheduler, parameter groups and tiny buckets. Also: where
+the state lives, bfloat16 parameters with float32 masters against a float64 reference, many
+steps with one parameter per bucket and no explicit synchronization, errors met by the host
+worker, and teardown with host work in flight.
+
+On this CPU-only machine the pipeline is the GPU one with synchronous copies: the same worker
+thread, queue, staging buffers, masters and waits.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_models import Net, accumulate
+from dist_harness import run_ranks
+from in_backward_models import OPTIMIZERS, InBackwardLockStep, assert_params_close
+from torch import nn
+
+import leanddp
+
+STEPS = 4
+BATCH = 6
+
+
+def _train(run: InBackwardLockStep, what: str, accum: int, steps: int = STEPS) -> None:
+    for step in range(steps):
+        # torch's DDP asserts when a static graph's first iteration runs under no_sync
+        n = 1 if run.ref.static_graph and step == 0 else accum
+        run.step([torch.randn(BATCH, 12) for _ in range(n)], legacy_calls=step % 2 == 1)
+        assert_params_close(run, f"{what} step {step}")  # read through state_dict(): waits
+        for p in run.ours.module.parameters():
+            assert p.grad is None, f"{what} step {step}: a gradient survived the host step"
+        assert run.ours.memory_stats()["bucket_bytes"] == 0, f"{what}: buckets not released"
+        if run.max_grad_norm is not None:
+            norm = run.ours.offload_stats()["grad_norm"]
+            assert norm == pytest.approx(run.ref_norm, rel=1e-5), f"{what} step {step}: norm"
+
+
+def _parity(rank: int, world_size: int, names: list[str], max_grad_norm: float | None) -> None:
+    for name, accum, tiny in itertools.product(names, (1, 3), (False, True)):
+        run = InBackwardLockStep(
+            Net(rank=rank, f64=False),
+            OPTIMIZERS[name],
+            offload=True,
+            max_grad_norm=max_grad_norm,
+            bucket_cap_mb=0.0005 if tiny else None,
+        )
+        _train(run, f"{name} accum={accum} tiny={tiny} clip={max_grad_norm}", accum)
+        stats = run.ours.offload_stats()
+        assert stats["iterations"] == STEPS and stats["buckets"] >= STEPS
+
+
+@pytest.mark.parametrize(
+    "names,max_grad_norm",
+    [
+        (["sgd-nesterov", "sgd-dampening", "sgd-plain"], None),
+        (["adam", "adamw"], None),
+        (["adamw-groups", "sgd-groups"], None),
+        (["adamw", "sgd-nesterov"], 0.05),  # clips every step
+        (["adamw-groups"], 1e3),  # never clips: the coefficient is 1
+    ],
+    ids=["sgd", "adam", "groups", "clipped", "clip-inactive"],
+)
+def test_parity_with_torch_ddp_and_optimizer(names: list[str], max_grad_norm: float | None) -> None:
+    run_ranks(2, _parity, names, max_grad_norm)
+
+
+def _unused(rank: int, world_size: int) -> None:
+    for kwargs in (dict(find_unused_parameters=True), dict(static_graph=True)):
+        run = InBackwardLockStep(
+            Net(unused=True, rank=rank, f64=False),
+            OPTIMIZERS["adamw"],
+            offload=True,
+            max_grad_norm=0.05,
+            **kwargs,
+        )
+        _train(run, f"unused {kwargs}", accum=2)
+        assert run.ours.module.never.weight not in run.ours.optimizer.state
+
+
+def test_unused_parameters_and_static_graph() -> None:
+    """Globally unused parameters are not stepped and get no state; clipping sums what torch's
+    clip_grad_norm_ sees (steps wait for the end of backward there)."""
+    run_ranks(2, _unused)
+
+
+# ------------------------------------------------------------------------------------------
+# where things live
+
+
+def _placement(rank: int, world_size: int) -> None:
+    run = InBackwardLockStep(Net(rank=rank, f64=False), OPTIMIZERS["adamw"], offload=True)
+    _train(run, "placement", accum=1, steps=2)
+    ours = run.ours
+    stats = ours.memory_stats()
+    params = [p for p in ours.module.parameters() if p.requires_grad]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    assert stats["param_bytes"] == param_bytes
+    steps = 4 * len(params)  # one float32 step counter per parameter
+    assert stats["optimizer_state_bytes"] == 2 * param_bytes + steps
+    assert stats["host_master_bytes"] == param_bytes  # float32 parameters: a host copy each
+    assert stats["host_buffer_bytes"] == param_bytes  # staging for every bucket's gradients
+    assert stats["bucket_bytes"] == 0 and stats["grad_bytes"] == 0
+    for entry in ours.optimizer.state.values():
+        assert set(entry) == {"step", "exp_avg", "exp_avg_sq"}  # torch's keys for float32
+        for value in entry.values():
+            assert value.device.type == "cpu"
+
+
+def test_state_and_masters_are_on_the_host() -> None:
+    run_ranks(2, _placement)
+
+
+# ------------------------------------------------------------------------------------------
+# bfloat16 parameters with float32 masters
+
+
+class Bf16Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(12, 24)
+        self.b = nn.Linear(24, 12)
+        self.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x.to(torch.bfloat16)))).float()
+
+
+def _adamw64(master, grad, m, v, step: int, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=0.1):
+    """One AdamW step in float64, as torch.optim.AdamW defines it."""
+    master = master * (1 - lr * wd)
+    m = betas[0] * m + (1 - betas[0]) * grad
+    v = betas[1] * v + (1 - betas[1]) * grad * grad
+    denom = (v.sqrt() / (1 - betas[1] ** step) ** 0.5) + eps
+    return master - lr / (1 - betas[0] ** step) * m / denom, m, v
+
+
+def _bf16(rank: int, world_size: int) -> None:
+    factory = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    model = Bf16Net()
+    ours = leanddp.DistributedDataParallel(
+        model, process_group=dist.new_group(), optimizer_in_backward=factory,
+        offload_to_cpu=True, bucket_cap_mb=0.0005,
+    )  # fmt: skip
+    ref = torch.nn.parallel.DistributedDataParallel(
+        copy.deepcopy(model), process_group=dist.new_group()
+    )
+    params = list(ours.module.parameters())
+    for step in range(1, 6):
+        # The float64 reference starts from our state before this step and takes torch's
+        # bfloat16 gradients of the same bfloat16 weights (so only the step itself is compared).
+        state = ours.optimizer.state
+        before = []
+        for p in params:
+            s = state.get(p)
+            if s is None:
+                before.append((p.double(), torch.zeros_like(p, dtype=torch.float64), None))
+                continue
+            m, v = s["exp_avg"].double(), s["exp_avg_sq"].double()
+            before.append((s["master_weight"].double(), m, v))
+        with torch.no_grad():
+            for a, b in zip(ref.module.parameters(), params, strict=True):
+                a.copy_(b)
+                a.grad = None
+        batches = [torch.randn(BATCH, 12) for _ in range(2)]
+        for ddp in (ref, ours):
+            accumulate(ddp, batches)
+        ours.synchronize()
+        for (name, p), (master, m, v), r in zip(
+            ours.module.named_parameters(), before, ref.module.parameters(), strict=True
+        ):
+            v = torch.zeros_like(m) if v is None else v
+            want, want_m, want_v = _adamw64(master, r.grad.double(), m, v, step)
+            got = ours.optimizer.state[p]
+            assert got["master_weight"].dtype == torch.float32
+            # float32 arithmetic: ~10 roundings of 6e-8 relative in the update (of size ~lr),
+            # and the master's own rounding (6e-8 relative).
+            torch.testing.assert_close(
+                got["master_weight"].double(), want, rtol=2e-7, atol=1e-8 * 10,
+                msg=lambda msg, n=name, k=step: f"step {k} master of {n}: {msg}",
+            )  # fmt: skip
+            torch.testing.assert_close(got["exp_avg"].double(), want_m, rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(got["exp_avg_sq"].double(), want_v, rtol=1e-6, atol=1e-12)
+            # The bfloat16 weight is the float32 master rounded to nearest, in the same kernel.
+            assert torch.equal(p.detach(), got["master_weight"].to(torch.bfloat16)), name
+            # The master holds what the bfloat16 weight cannot.
+            assert not torch.equal(got["master_weight"], p.detach().float()), name
+    saved = ours.optimizer.state_dict()
+    assert all("master_weight" in entry for entry in saved["state"].values())
+
+
+def test_bf16_parameters_with_float32_masters_against_float64() -> None:
+    run_ranks(2, _bf16)
+
+
+# ------------------------------------------------------------------------------------------
+# races, errors, teardown
+
+
+def _many_steps(rank: int, world_size: int) -> None:
+    run = InBackwardLockStep(
+        Net(rank=rank, f64=False),
+        OPTIMIZERS["adamw"],
+        offload=True,
+        max_grad_norm=0.5,
+        bucket_cap_mb=1e-6,  # one parameter per bucket: the most hand-offs
+        offload_threads=1,
+    )
+    x_check = torch.randn(BATCH, 12)
+    for step in range(40):
+        run.step([torch.randn(BATCH, 12) for _ in range(1 + step % 3)])
+        # No explicit wait: the forward itself must wait for the host steps.
+        with torch.no_grad():
+            for ddp in (run.ref, run.ours):
+                ddp.eval()
+            torch.testing.assert_close(run.ours(x_check), run.ref(x_check), rtol=1e-5, atol=1e-6)
+            for ddp in (run.ref, run.ours):
+                ddp.train()
+    assert run.ours.offload_stats()["iterations"] == 40
+
+
+def test_many_steps_tiny_buckets_no_explicit_wait() -> None:
+    run_ranks(2, _many_steps)
+
+
+def _worker_error(rank: int, world_size: int) -> None:
+    run = InBackwardLockStep(Net(rank=rank, f64=False), OPTIMIZERS["adamw"], offload=True)
+    run.step([torch.randn(BATCH, 12)])
+    good_beta = run.ours.optimizer.param_groups[0]["betas"]
+    run.ours.optimizer.param_groups[0]["betas"] = (1.5, 0.999)  # the host kernel rejects it
+    accumulate(run.ours, [torch.randn(BATCH, 12)])  # backward itself returns
+    with pytest.raises(ValueError, match="beta1 must be in"):
+        run.ours(torch.randn(BATCH, 12))  # the next call raises the worker's error
+    run.ours.optimizer.param_groups[0]["betas"] = good_beta
+    accumulate(run.ours, [torch.randn(BATCH, 12)])  # the pipeline works again
+    run.ours.synchronize()
+    assert run.ours.offload_stats()["iterations"] == 2
+
+
+def test_worker_error_surfaces_at_the_next_call() -> None:
+    run_ranks(2, _worker_error)
+
+
+_EXIT_SCRIPT = textwrap.dedent(
+    """
+    import functools, os, sys, torch, torch.distributed as dist
+    import leanddp
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+    ddp = leanddp.DistributedDataParallel(
+        model, optimizer_in_backward=functools.partial(torch.optim.AdamW, lr=1e-3),
+        offload_to_cpu=True, bucket_cap_mb=1, offload_threads=1)
+    ddp(torch.randn(64, 512)).sum().backward()
+    stats = ddp.offload_stats()
+    print("in flight:", stats["iterations"] == 0, flush=True)
+    {ending}
+    """
+)
+
+
+@pytest.mark.parametrize("ending", ["sys.exit(0)", "del ddp; dist.destroy_process_group()"])
+def test_exit_with_host_work_in_flight(ending: str) -> None:
+    """The process exits (or the wrapper is deleted) right after backward, with host steps
+    queued: it neither hangs nor crashes."""
+    from dist_harness import _free_port
+
+    script = _EXIT_SCRIPT.format(port=_free_port(), ending=ending)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "in flight:" in done.stdout
+
+
+def _delete_in_flight(rank: int, world_size: int) -> None:
+    factory = OPTIMIZERS["adamw"]
+    for _ in range(3):
+        ddp = leanddp.DistributedDataParallel(
+            Net(rank=rank, f64=False), process_group=dist.new_group(),
+            optimizer_in_backward=factory, offload_to_cpu=True, bucket_cap_mb=1e-6,
+        )  # fmt: skip
+        accumulate(ddp, [torch.randn(BATCH, 12)])
+        del ddp  # host steps may be queued or running
+
+
+def test_delete_wrapper_with_host_work_in_flight() -> None:
+    run_ranks(2, _delete_in_flight)
