@@ -4,22 +4,30 @@
                                    [--bucket-cap-mb 2] [--out DIR]
 
 A small GPT-style transformer is trained on synthetic tokens with gloo on CPU, world size 2,
-under four configurations built in the same processes, all with AdamW: torch's DDP
+under five configurations built in the same processes, all with AdamW: torch's DDP
 (gradient_as_bucket_view False, torch's default) and torch's DDP with views, each followed by
-torch.optim.AdamW(fused=True); leanddp (views, its default) followed by the same optimizer; and
+torch.optim.AdamW(fused=True); leanddp (views, its default) followed by the same optimizer;
 leanddp with optimizer_in_backward=AdamW (stepped bucket by bucket inside backward by leanddp's
-fused kernel). Each round times --steps training steps (forward, backward, optimizer step) of
+fused kernel); and the same with offload_to_cpu=True (state and master weights in host memory,
+stepped by leanddp's worker thread while backward goes on). Each round times --steps training
+steps (forward, backward, optimizer step; with offload_to_cpu up to the last host step) of
 every configuration in turn; the table gives the median step time over rounds and its ratio to
-torch's DDP with views (the anchor measured in the same run). Every configuration uses the same
-bucket cap, 2 MiB by default: the model is 14 MiB, and torch's default of 25 MiB would put it in
-one bucket (at GPT-2-small scale, 25 MiB buckets give a similar count of about 20).
+torch's DDP with views (the anchor measured in the same run). For offload_to_cpu it also gives
+the share of the host step hidden behind the rest of the step: 1 - (time the loop waited for
+the worker) / (the worker's busy time), from ddp.offload_stats() over the timed rounds. Every
+configuration uses the same bucket cap, 2 MiB by default: the model is 14 MiB, and torch's
+default of 25 MiB would put it in one bucket (at GPT-2-small scale, 25 MiB buckets give a similar
+count of about 20).
 
 Memory is measured, not derived. Gradient memory: the bytes of the distinct storages behind
 every param.grad and every communication bucket (torch's buckets are seen through a comm hook
 that records each bucket's buffer and then runs torch's default allreduce); with
 optimizer_in_backward, where gradients are released during backward, its peak is sampled at
 every gradient accumulation hook of one step (the Reducer's accounting of buckets and
-gradients it holds). Optimizer state: the distinct storages behind the optimizer's state.
+gradients it holds). Optimizer state: the distinct storages behind the optimizer's state. With
+offload_to_cpu, the state, the float32 master weights and the staging buffers are host memory
+(ddp.memory_stats()), shown apart from what sits beside the model: on a GPU that is the device
+memory saved; on this CPU-only run both are the same RAM.
 Prints progress, then a markdown table; writes bench_ddp.json and bench_ddp.png into --out.
 """
 
@@ -44,8 +52,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import leanddp
 
 VOCAB, DIM, LAYERS, HEADS, SEQ, BATCH = 2048, 256, 4, 4, 64, 8
-CONFIGS = ["torch DDP", "torch DDP + views", "leanddp", "leanddp + optimizer_in_backward"]
-IN_BACKWARD = CONFIGS[3]
+CONFIGS = [
+    "torch DDP",
+    "torch DDP + views",
+    "leanddp",
+    "leanddp + optimizer_in_backward",
+    "leanddp + offload_to_cpu",
+]
+IN_BACKWARD, OFFLOAD = CONFIGS[3], CONFIGS[4]
 ANCHOR = "torch DDP + views"
 LR = 1e-3
 #: The torch configurations share torch's AdamW and agree bitwise. leanddp's fused AdamW rounds
@@ -86,14 +100,15 @@ def log(rank: int, msg: str) -> None:
 
 
 def build(
-    name: str, model: nn.Module, cap_mb: float
+    name: str, model: nn.Module, cap_mb: float, threads: int = 1
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """The DDP wrapper and the optimizer the loop steps (None: stepped inside backward)."""
     group = dist.new_group()
     adamw = functools.partial(torch.optim.AdamW, lr=LR, fused=True)
-    if name == IN_BACKWARD:
+    if name in (IN_BACKWARD, OFFLOAD):
+        offload = dict(offload_to_cpu=True, offload_threads=threads) if name == OFFLOAD else {}
         ddp = leanddp.DistributedDataParallel(
-            model, process_group=group, bucket_cap_mb=cap_mb, optimizer_in_backward=adamw
+            model, process_group=group, bucket_cap_mb=cap_mb, optimizer_in_backward=adamw, **offload
         )
         return ddp, None
     if name == "leanddp":
@@ -172,7 +187,8 @@ def torch_bucket_storages(ddp: nn.Module, opt, tokens) -> dict[int, int]:
 
 
 def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out: dict) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+    threads = max(1, (os.cpu_count() or 2) // world_size)
+    torch.set_num_threads(threads)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
@@ -183,7 +199,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
         torch.manual_seed(0)
         model = TinyGPT()
         model.load_state_dict(base.state_dict())
-        runs[name] = build(name, model, args.bucket_cap_mb)
+        runs[name] = build(name, model, args.bucket_cap_mb, threads)
     gen = torch.Generator().manual_seed(1 + rank)
     batches = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen) for _ in range(4)]
     losses: dict[str, list[float]] = {n: [] for n in CONFIGS}
@@ -191,12 +207,15 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
         for i in range(3):
             losses[name].append(step(ddp, opt, batches[i % 4]).item())
     times: dict[str, list[float]] = {n: [] for n in CONFIGS}
+    host_before = runs[OFFLOAD][0].offload_stats()
     for r in range(args.rounds):
         for name, (ddp, opt) in runs.items():
             dist.barrier()
             start = time.perf_counter()
             for i in range(args.steps):
                 loss = step(ddp, opt, batches[i % 4])
+            if name == OFFLOAD:
+                ddp.synchronize()  # the last step's host work is part of the time
             times[name].append((time.perf_counter() - start) / args.steps)
             losses[name].append(loss.item())
         log(
@@ -204,13 +223,20 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
             f"round {r + 1}/{args.rounds}: "
             + ", ".join(f"{n} {times[n][-1] * 1e3:.1f} ms" for n in CONFIGS),
         )
+    host_after = runs[OFFLOAD][0].offload_stats()
+    host = {k: host_after[k] - host_before[k] for k in ("step_seconds", "wait_seconds", "buckets")}
     memory = {}
     for name, (ddp, opt) in runs.items():
         buckets: dict[int, int] = {}
-        if name == IN_BACKWARD:
+        if name in (IN_BACKWARD, OFFLOAD):
+            stats = ddp.memory_stats()
             memory[name] = {
-                "optimizer": ddp.memory_stats()["optimizer_state_bytes"],
+                "optimizer": stats["optimizer_state_bytes"],
                 "measured": in_backward_peak(ddp, batches[0]),
+                "host": stats["optimizer_state_bytes"]
+                + stats["host_master_bytes"]
+                + stats["host_buffer_bytes"],
+                "on_host": name == OFFLOAD,
             }
             continue
         memory[name] = {"optimizer": state_bytes(opt)}
@@ -223,7 +249,9 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
         memory[name]["measured"] = gradient_bytes(ddp, buckets)
     param_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     if rank == 0:
-        out.update(times=times, memory=memory, param_bytes=param_bytes, losses=losses)
+        out.update(
+            times=times, memory=memory, param_bytes=param_bytes, losses=losses, host_step=host
+        )
     dist.destroy_process_group()
 
 
@@ -238,15 +266,28 @@ def markdown(result: dict) -> str:
         f"world size {result['world_size']}, CPU, bucket_cap_mb={result['bucket_cap_mb']}",
         "",
         "| configuration | step (ms, median) | vs torch DDP + views | peak grad + bucket bytes "
-        "| optimizer state | grad + optimizer, × parameter bytes |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| optimizer state | grad + optimizer beside the model, × parameter bytes "
+        "| offloaded to the host |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for n in CONFIGS:
-        mem, opt = result["memory"][n]["measured"], result["memory"][n]["optimizer"]
+        m = result["memory"][n]
+        mem, opt = m["measured"], m["optimizer"]
+        beside = mem + (0 if m.get("on_host") else opt)
+        host = f"{m['host'] / 2**20:.2f} MiB" if m.get("on_host") else "—"
         lines.append(
             f"| {n} | {t[n] * 1e3:.1f} | {t[n] / t[ANCHOR]:.3f} | {mem / 2**20:.2f} MiB "
-            f"({mem / pb:.2f}×) | {opt / 2**20:.2f} MiB | {(mem + opt) / pb:.2f} |"
+            f"({mem / pb:.2f}×) | {opt / 2**20:.2f} MiB{' (host)' if m.get('on_host') else ''} "
+            f"| {beside / pb:.2f} | {host} |"
         )
+    h = result["host_step"]
+    hidden = 1 - h["wait_seconds"] / h["step_seconds"] if h["step_seconds"] > 0 else 0.0
+    lines.append("")
+    lines.append(
+        f"offload_to_cpu host step (rank 0, timed rounds): worker busy {h['step_seconds']:.3f} s "
+        f"over {h['buckets']} bucket steps, loop waited {h['wait_seconds']:.3f} s: "
+        f"{hidden:.0%} of the host step hidden behind backward and the loop"
+    )
     lines.append("")
     lines.append(
         f"vs torch's default DDP (views off): leanddp {t['leanddp'] / t['torch DDP']:.3f}×, "
@@ -273,17 +314,21 @@ def plot(result: dict, path: Path) -> bool:
     except ImportError:
         print("[bench_ddp] matplotlib is not installed: no PNG written", file=sys.stderr)
         return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 4.8))
     labels = [n.replace(" + ", "\n+ ") for n in CONFIGS]
-    grads = [result["memory"][n]["measured"] / 2**20 for n in CONFIGS]
-    state = [result["memory"][n]["optimizer"] / 2**20 for n in CONFIGS]
+    mem = result["memory"]
+    grads = [mem[n]["measured"] / 2**20 for n in CONFIGS]
+    state = [0 if mem[n].get("on_host") else mem[n]["optimizer"] / 2**20 for n in CONFIGS]
+    host = [mem[n]["host"] / 2**20 if mem[n].get("on_host") else 0 for n in CONFIGS]
     ms = [statistics.median(result["times"][n]) * 1e3 for n in CONFIGS]
     ax1.bar(labels, grads, color="#2a7", label="peak gradients + buckets")
     ax1.bar(labels, state, bottom=grads, color="#79c", label="optimizer state")
+    top = [g + s for g, s in zip(grads, state, strict=True)]
+    ax1.bar(labels, host, bottom=top, color="#ddd", hatch="//", label="offloaded to the host")
     ax1.axhline(result["param_bytes"] / 2**20, ls="--", c="k", lw=1, label="parameter bytes")
     ax1.set_ylabel("MiB")
     ax1.legend(fontsize=8)
-    ax2.bar(labels, ms, color=["#888", "#aaa", "#2a7", "#1a5"])
+    ax2.bar(labels, ms, color=["#888", "#aaa", "#2a7", "#1a5", "#174"])
     ax2.set_ylabel("step time (ms, median)")
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", labelsize=8)

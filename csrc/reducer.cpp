@@ -464,6 +464,7 @@ void Reducer::write_reduced_grads(size_t bucket_index, const std::vector<int32_t
 bool Reducer::rebuild_buckets() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!should_rebuild() || ready_order_.empty() || armed_) return false;
+  wait_idle();  // offload_to_cpu: the host state is relaid below (raises before any change)
   const size_t n = params_.size();
   std::vector<char> seen(n, 0);
   std::vector<int64_t> order;
@@ -493,7 +494,6 @@ bool Reducer::rebuild_buckets() {
   const std::vector<Bucket> old_buckets = std::move(buckets_);
   build_buckets(assign_buckets(params_, order, options_.caps_bytes));
   if (offload_) {
-    offload_->wait(/*host_too=*/true);
     offload_->relayout(old_buckets, buckets_);
   } else if (fused_) {
     fused_->relayout(old_buckets, buckets_);

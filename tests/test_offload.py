@@ -126,15 +126,15 @@ def test_state_and_masters_are_on_the_host() -> None:
 # bfloat16 parameters with float32 masters
 
 
-class Bf16Net(nn.Module):
-    def __init__(self) -> None:
+class LowPrecisionNet(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
         self.a = nn.Linear(12, 24)
         self.b = nn.Linear(24, 12)
-        self.to(torch.bfloat16)
+        self.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x.to(torch.bfloat16)))).float()
+        return self.b(torch.tanh(self.a(x.to(self.a.weight.dtype)))).float()
 
 
 def _adamw64(master, grad, m, v, step: int, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=0.1):
@@ -146,12 +146,13 @@ def _adamw64(master, grad, m, v, step: int, lr=1e-2, betas=(0.9, 0.999), eps=1e-
     return master - lr / (1 - betas[0] ** step) * m / denom, m, v
 
 
-def _bf16(rank: int, world_size: int) -> None:
+def _low_precision(rank: int, world_size: int, dtype: torch.dtype) -> None:
     factory = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
-    model = Bf16Net()
+    model = LowPrecisionNet(dtype)
+    max_norm = 0.05  # clips every step
     ours = leanddp.DistributedDataParallel(
         model, process_group=dist.new_group(), optimizer_in_backward=factory,
-        offload_to_cpu=True, bucket_cap_mb=0.0005,
+        offload_to_cpu=True, bucket_cap_mb=0.0005, max_grad_norm=max_norm,
     )  # fmt: skip
     ref = torch.nn.parallel.DistributedDataParallel(
         copy.deepcopy(model), process_group=dist.new_group()
@@ -159,7 +160,8 @@ def _bf16(rank: int, world_size: int) -> None:
     params = list(ours.module.parameters())
     for step in range(1, 6):
         # The float64 reference starts from our state before this step and takes torch's
-        # bfloat16 gradients of the same bfloat16 weights (so only the step itself is compared).
+        # low-precision gradients of the same weights (so only the step itself is compared),
+        # clipped in float64 as clip_grad_norm_ defines it.
         state = ours.optimizer.state
         before = []
         for p in params:
@@ -177,31 +179,40 @@ def _bf16(rank: int, world_size: int) -> None:
         for ddp in (ref, ours):
             accumulate(ddp, batches)
         ours.synchronize()
+        norm = torch.stack([r.grad.double().square().sum() for r in ref.parameters()]).sum().sqrt()
+        assert ours.offload_stats()["grad_norm"] == pytest.approx(norm.item(), rel=1e-6)
+        coef = min(max_norm / (norm.item() + 1e-6), 1.0)
+        assert coef < 1
         for (name, p), (master, m, v), r in zip(
             ours.module.named_parameters(), before, ref.module.parameters(), strict=True
         ):
             v = torch.zeros_like(m) if v is None else v
-            want, want_m, want_v = _adamw64(master, r.grad.double(), m, v, step)
+            want, want_m, want_v = _adamw64(master, r.grad.double() * coef, m, v, step)
             got = ours.optimizer.state[p]
             assert got["master_weight"].dtype == torch.float32
             # float32 arithmetic: ~10 roundings of 6e-8 relative in the update (of size ~lr),
             # and the master's own rounding (6e-8 relative).
             torch.testing.assert_close(
-                got["master_weight"].double(), want, rtol=2e-7, atol=1e-8 * 10,
+                got["master_weight"].double(), want, rtol=2e-7, atol=1e-7,
                 msg=lambda msg, n=name, k=step: f"step {k} master of {n}: {msg}",
             )  # fmt: skip
             torch.testing.assert_close(got["exp_avg"].double(), want_m, rtol=1e-6, atol=1e-9)
             torch.testing.assert_close(got["exp_avg_sq"].double(), want_v, rtol=1e-6, atol=1e-12)
-            # The bfloat16 weight is the float32 master rounded to nearest, in the same kernel.
-            assert torch.equal(p.detach(), got["master_weight"].to(torch.bfloat16)), name
-            # The master holds what the bfloat16 weight cannot.
+            # The low-precision weight is the float32 master rounded to nearest, in one kernel.
+            assert torch.equal(p.detach(), got["master_weight"].to(dtype)), name
+            # The master holds what the low-precision weight cannot.
             assert not torch.equal(got["master_weight"], p.detach().float()), name
     saved = ours.optimizer.state_dict()
     assert all("master_weight" in entry for entry in saved["state"].values())
 
 
-def test_bf16_parameters_with_float32_masters_against_float64() -> None:
-    run_ranks(2, _bf16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_parameters_with_float32_masters_against_float64(dtype) -> None:
+    """bf16/fp16 parameters, float32 masters on the host, clipping: each step against the same
+    step in float64 from the same state. Tolerance: the float32 update rounds ~10 times at 6e-8
+    relative (on a step of size ~lr = 1e-2), and the master itself at 6e-8 of |w| (< 1): within
+    rtol 2e-7 + atol 1e-7."""
+    run_ranks(2, _low_precision, dtype)
 
 
 # ------------------------------------------------------------------------------------------
