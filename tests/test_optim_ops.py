@@ -150,6 +150,36 @@ def test_param_copy_is_the_rounded_update(device, copy_dtype):
             assert torch.equal(c, p.to(copy_dtype))
 
 
+def test_low_precision_conversions_are_exact_on_every_kind_of_value():
+    """The CPU kernels' bf16/fp16 conversions against torch's, bit for bit, on random bit
+    patterns (normals, subnormals, infinities, rounding ties) and NaN: with lr=0 the copy is the
+    parameter rounded; with plain SGD at lr=1 from zero the parameter is minus the upcast
+    gradient."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 16,), dtype=torch.int32, generator=gen)
+    values = torch.cat([bits.view(torch.float32), torch.tensor([0.0, -0.0, 1.0 + 2**-8])])
+    values[:64] = torch.tensor([float("inf"), float("-inf"), float("nan")]).repeat(22)[:64]
+    for dtype in (torch.bfloat16, torch.float16):
+        p = values.clone()
+        copy = torch.empty_like(p, dtype=dtype)
+        ops.sgd_step_(
+            p, torch.zeros_like(p), None, param_copy=copy, lr=0.0, momentum=0.0, dampening=0.0,
+            nesterov=False, weight_decay=0.0, first_step=True,
+        )  # fmt: skip
+        want = values.to(dtype)
+        nan = values.isnan()
+        assert copy[nan].isnan().all()
+        assert torch.equal(copy[~nan].view(torch.int16), want[~nan].view(torch.int16)), dtype
+        grads = bits.to(torch.int16).view(dtype)  # every 16-bit pattern class
+        p = torch.zeros(grads.shape)
+        ops.sgd_step_(
+            p, grads, None, lr=1.0, momentum=0.0, dampening=0.0, nesterov=False,
+            weight_decay=0.0, first_step=True,
+        )  # fmt: skip
+        finite = grads.isfinite()
+        assert torch.equal(p[finite], -grads[finite].float()), dtype
+
+
 SGD_CONFIGS = [
     dict(lr=0.1, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0),
     dict(lr=0.05, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=1e-2),
