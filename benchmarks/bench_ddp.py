@@ -332,6 +332,7 @@ def plot(result: dict, path: Path) -> bool:
     ax2.set_ylabel("step time (ms, median)")
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", labelsize=8)
+        plt.setp(ax.get_xticklabels(), rotation=12, ha="right")
     fig.suptitle(f"leanddp vs torch DDP — CPU gloo, world size {result['world_size']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -123,12 +123,13 @@ void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<c
   cv_.notify_all();
 }
 
-void HostOffload::end_iteration() {
+void HostOffload::end_iteration(bool completed) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_ || error_) return;
     Job marker;
     marker.end = true;
+    marker.completed = completed;
     queue_.push_back(std::move(marker));
   }
   cv_.notify_all();
@@ -197,7 +198,7 @@ void HostOffload::run_worker() {
 
 void HostOffload::process(Job& job) {
   if (job.end) {
-    finish_iteration();
+    finish_iteration(job.completed);
     return;
   }
   if (job.copied) job.copied->synchronize();
@@ -212,7 +213,12 @@ void HostOffload::process(Job& job) {
   held_.push_back(std::move(job));
 }
 
-void HostOffload::finish_iteration() {
+void HostOffload::finish_iteration(bool completed) {
+  if (!completed) {
+    held_.clear();
+    sum_squares_ = 0;
+    return;
+  }
   double grad_norm = -1;
   if (options_.max_grad_norm) {
     grad_norm = std::sqrt(sum_squares_);

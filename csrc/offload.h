@@ -75,8 +75,9 @@ class HostOffload {
   // Bucket `index` holds its averaged gradients (`bucket.flat`): queues its host step for the
   // members whose `mask[slot]` is set. After it returns the device bucket may be released.
   void submit(size_t index, const Bucket& bucket, const std::vector<char>& mask);
-  // Every bucket of this synchronized backward was submitted (clipping may now step them).
-  void end_iteration();
+  // Every bucket of this synchronized backward was submitted (clipping may now step them); or,
+  // if not `completed`, the backward failed: buckets held for clipping are dropped unstepped.
+  void end_iteration(bool completed);
   // Blocks until the worker is idle; then, on a GPU, the current stream waits for the copies
   // back (and the host too, if `host_too`: before the host buffers are read or written).
   // Rethrows (once) an error the worker met; its later jobs were dropped.
@@ -103,12 +104,13 @@ class HostOffload {
     at::Tensor staging;                  // the gradients, on the host
     std::shared_ptr<c10::Event> copied;  // GPU: the copies to the host are done
     bool end = false;                    // marks the end of an iteration
+    bool completed = true;               // (end) false: the iteration was abandoned
   };
 
   void run_worker();
   void process(Job& job);
   void step_job(const Job& job, std::optional<double> grad_scale);
-  void finish_iteration();
+  void finish_iteration(bool completed);
   bool low_precision(size_t p) const { return params_[p].scalar_type() != at::kFloat; }
 
   std::vector<at::Tensor> params_;

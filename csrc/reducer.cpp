@@ -160,6 +160,7 @@ void Reducer::abandon_iteration() {
     }
   }
   if (comm_hook_) comm_hook_->reset();
+  if (offload_) offload_->end_iteration(/*completed=*/false);
   reset_iteration_state();
 }
 
@@ -182,6 +183,9 @@ std::vector<std::string> Reducer::prepare_for_forward() {
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mu_);
+  // A backward that never reached its end (an error in a hook): buckets it handed to the host
+  // for clipping are dropped, not counted into this iteration's norm.
+  if (armed_ && offload_) offload_->end_iteration(/*completed=*/false);
   reset_iteration_state();
   armed_ = true;
   peak_bucket_bytes_ = allocated_bytes_;
@@ -350,7 +354,7 @@ void Reducer::finalize() {
     }
     if (options_.step_in_backward) {
       step_reduced_buckets(/*wait=*/true, &used);
-      if (offload_) offload_->end_iteration();
+      if (offload_) offload_->end_iteration(/*completed=*/true);
     } else {
       for (size_t b = 0; b < buckets_.size(); ++b) {
         collect_reduced(b);

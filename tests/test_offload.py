@@ -146,9 +146,9 @@ def _adamw64(master, grad, m, v, step: int, lr=1e-2, betas=(0.9, 0.999), eps=1e-
     return master - lr / (1 - betas[0] ** step) * m / denom, m, v
 
 
-def _low_precision(rank: int, world_size: int, dtype: torch.dtype) -> None:
+def _low_precision(rank: int, world_size: int, dtype: torch.dtype, device: str = "cpu") -> None:
     factory = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
-    model = LowPrecisionNet(dtype)
+    model = LowPrecisionNet(dtype).to(device)
     max_norm = 0.05  # clips every step
     ours = leanddp.DistributedDataParallel(
         model, process_group=dist.new_group(), optimizer_in_backward=factory,
@@ -175,7 +175,7 @@ def _low_precision(rank: int, world_size: int, dtype: torch.dtype) -> None:
             for a, b in zip(ref.module.parameters(), params, strict=True):
                 a.copy_(b)
                 a.grad = None
-        batches = [torch.randn(BATCH, 12) for _ in range(2)]
+        batches = [torch.randn(BATCH, 12, device=device) for _ in range(2)]
         for ddp in (ref, ours):
             accumulate(ddp, batches)
         ours.synchronize()
@@ -187,7 +187,8 @@ def _low_precision(rank: int, world_size: int, dtype: torch.dtype) -> None:
             ours.module.named_parameters(), before, ref.module.parameters(), strict=True
         ):
             v = torch.zeros_like(m) if v is None else v
-            want, want_m, want_v = _adamw64(master, r.grad.double() * coef, m, v, step)
+            master, m, v = master.cpu(), m.cpu(), v.cpu()
+            want, want_m, want_v = _adamw64(master, r.grad.double().cpu() * coef, m, v, step)
             got = ours.optimizer.state[p]
             assert got["master_weight"].dtype == torch.float32
             # float32 arithmetic: ~10 roundings of 6e-8 relative in the update (of size ~lr),
@@ -199,9 +200,9 @@ def _low_precision(rank: int, world_size: int, dtype: torch.dtype) -> None:
             torch.testing.assert_close(got["exp_avg"].double(), want_m, rtol=1e-6, atol=1e-9)
             torch.testing.assert_close(got["exp_avg_sq"].double(), want_v, rtol=1e-6, atol=1e-12)
             # The low-precision weight is the float32 master rounded to nearest, in one kernel.
-            assert torch.equal(p.detach(), got["master_weight"].to(dtype)), name
+            assert torch.equal(p.detach().cpu(), got["master_weight"].to(dtype)), name
             # The master holds what the low-precision weight cannot.
-            assert not torch.equal(got["master_weight"], p.detach().float()), name
+            assert not torch.equal(got["master_weight"], p.detach().float().cpu()), name
     saved = ours.optimizer.state_dict()
     assert all("master_weight" in entry for entry in saved["state"].values())
 
@@ -213,6 +214,30 @@ def test_low_precision_parameters_with_float32_masters_against_float64(dtype) ->
     relative (on a step of size ~lr = 1e-2), and the master itself at 6e-8 of |w| (< 1): within
     rtol 2e-7 + atol 1e-7."""
     run_ranks(2, _low_precision, dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# on a GPU (two gloo ranks sharing GPU 0): the copy stream, events and pinned host memory
+
+
+def _cuda(rank: int, world_size: int) -> None:
+    for name, clip, accum in itertools.product(("adamw", "sgd-nesterov"), (None, 0.05), (1, 3)):
+        run = InBackwardLockStep(
+            Net(rank=rank, f64=False).cuda(), OPTIMIZERS[name], offload=True,
+            max_grad_norm=clip, device_ids=[0], bucket_cap_mb=0.0005,
+        )  # fmt: skip
+        for step in range(STEPS):
+            run.step([torch.randn(BATCH, 12, device="cuda") for _ in range(accum)])
+            assert_params_close(run, f"cuda {name} clip={clip} accum={accum} step {step}")
+        for entry in run.ours.optimizer.state.values():
+            for key, value in entry.items():
+                assert value.device.type == "cpu" and (key == "step" or value.is_pinned()), key
+    _low_precision(rank, world_size, torch.bfloat16, "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
+def test_cuda_parity_and_bf16_on_a_shared_gpu() -> None:
+    run_ranks(2, _cuda)
 
 
 # ------------------------------------------------------------------------------------------
@@ -243,6 +268,30 @@ def _many_steps(rank: int, world_size: int) -> None:
 
 def test_many_steps_tiny_buckets_no_explicit_wait() -> None:
     run_ranks(2, _many_steps)
+
+
+def _load_in_flight(rank: int, world_size: int) -> None:
+    run = InBackwardLockStep(
+        Net(rank=rank, f64=False), OPTIMIZERS["adamw"], offload=True, bucket_cap_mb=1e-6
+    )
+    for _ in range(2):
+        run.step([torch.randn(BATCH, 12)])
+    run.step([torch.randn(BATCH, 12)])  # ours: host steps possibly still running
+    new = {
+        k: torch.randn_like(v) if v.is_floating_point() else v
+        for k, v in run.ref.module.state_dict().items()
+    }
+    run.ref.module.load_state_dict(new)
+    run.ours.module.load_state_dict(new)  # waits, then writes: the worker cannot overwrite it
+    for name, a, b in run.pairs():  # (tied weights: both loaded the same last value)
+        assert torch.equal(b.detach(), a.detach()), name
+    for step in range(2):  # the masters are refreshed from the loaded weights
+        run.step([torch.randn(BATCH, 12)])
+        assert_params_close(run, f"after load, step {step}")
+
+
+def test_load_state_dict_with_host_work_in_flight() -> None:
+    run_ranks(2, _load_in_flight)
 
 
 def _worker_error(rank: int, world_size: int) -> None:

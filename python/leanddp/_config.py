@@ -124,8 +124,10 @@ def _check_offload(kw: dict[str, Any]) -> tuple[bool, float | None, int]:
             _fail(f"offload_threads must be a positive int or None, got {threads!r}")
         if not offload:
             _fail("offload_threads is meaningful only with offload_to_cpu=True")
-    return offload, None if max_norm is None else float(max_norm), (
-        threads if threads is not None else default_offload_threads()
+    return (
+        offload,
+        None if max_norm is None else float(max_norm),
+        (threads if threads is not None else default_offload_threads()),
     )
 
 
