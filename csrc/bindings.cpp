@@ -182,7 +182,7 @@ void bind_reducer(py::module_& m) {
               auto host = std::make_unique<leanddp::HostOffload>(std::move(params),
                                                                  std::move(fused), options);
               py::gil_scoped_release no_gil;
-              self.set_offload(std::move(host));
+              self.set_optimizer(nullptr, nullptr, std::move(host));
               return;
             }
             auto stepper = std::make_unique<PyStepper>(std::move(fallback));

@@ -9,8 +9,9 @@
 // parameters as soon as the bucket's reduction is complete (checked at every hook, and at the
 // end of backward) and then releases the bucket's gradient memory: param.grad becomes None and
 // the flat buffer is freed, to be allocated again at the bucket's next gradient. With
-// offload_to_cpu (set_offload) the step is handed to HostOffload instead: the bucket is copied
-// to the host and released, and the next forward waits for the host steps (wait_for_offload).
+// offload_to_cpu (set_optimizer with a HostOffload) the step is handed to HostOffload instead: the
+// bucket is copied to the host and released, and the next forward waits for the host steps
+// (wait_for_offload).
 //
 // Threading: hooks and the final callback run on autograd's threads; the Python-facing methods
 // run on the caller's thread with the GIL released. All mutable state is guarded by `mu_`.
@@ -75,7 +76,8 @@ class Reducer {
   // no collective.
   Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
           c10::intrusive_ptr<c10d::ProcessGroup> process_group, ReducerOptions options);
-  // Removes the hooks. In-flight reductions keep their own references to the buckets.
+  // Stops the offload worker, removes the hooks. In-flight reductions keep their own references
+  // to the buckets.
   ~Reducer();
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
@@ -104,12 +106,10 @@ class Reducer {
   void register_comm_hook(std::unique_ptr<CommHook> hook);
 
   // optimizer_in_backward (before the first backward): buckets the fused optimizer can step
-  // (`fused`, may be null) are stepped in C++, the others by `fallback`.
-  void set_optimizer(std::unique_ptr<FusedOptimizer> fused,
-                     std::unique_ptr<BucketStepper> fallback);
-  // offload_to_cpu (before the first backward, instead of set_optimizer): every bucket is
-  // stepped on the host by `offload`.
-  void set_offload(std::unique_ptr<HostOffload> offload);
+  // (`fused`, may be null) are stepped in C++, the others by `fallback`; or, with offload_to_cpu
+  // (`offload` given, the other two null), every bucket is stepped on the host by `offload`.
+  void set_optimizer(std::unique_ptr<FusedOptimizer> fused, std::unique_ptr<BucketStepper> fallback,
+                     std::unique_ptr<HostOffload> offload = nullptr);
   // Called at each forward, and before parameters are read: waits for the host steps of the
   // last backward (offload_to_cpu; else returns at once) and rethrows an error met there.
   // `host_too`: the host waits for the copies back as well (not only the current stream).
