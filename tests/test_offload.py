@@ -95,6 +95,23 @@ def test_unused_parameters_and_static_graph() -> None:
     run_ranks(2, _unused)
 
 
+def _comm_hook(rank: int, world_size: int) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    run = InBackwardLockStep(
+        Net(rank=rank, f64=False), OPTIMIZERS["adamw"], offload=True, max_grad_norm=0.05,
+        bucket_cap_mb=0.0005,
+    )  # fmt: skip
+    for ddp in (run.ref, run.ours):
+        ddp.register_comm_hook(ddp.process_group, default_hooks.allreduce_hook)
+    _train(run, "adamw + clipping with torch's allreduce_hook", accum=2)
+
+
+def test_with_comm_hook() -> None:
+    """A communication hook's result (a future) is what goes to the host."""
+    run_ranks(2, _comm_hook)
+
+
 # ------------------------------------------------------------------------------------------
 # where things live
 
