@@ -33,7 +33,9 @@ STEPS = 4
 BATCH = 6
 
 
-def _train(run: InBackwardLockStep, what: str, accum: int, steps: int = STEPS) -> None:
+def _train(run: InBackwardLockStep, what: str, accum: int, steps: int = STEPS) -> int:
+    """Trains both ``steps`` steps, comparing after each; returns how many steps clipped."""
+    clipped = 0
     for step in range(steps):
         # torch's DDP asserts when a static graph's first iteration runs under no_sync
         n = 1 if run.ref.static_graph and step == 0 else accum
@@ -45,6 +47,8 @@ def _train(run: InBackwardLockStep, what: str, accum: int, steps: int = STEPS) -
         if run.max_grad_norm is not None:
             norm = run.ours.offload_stats()["grad_norm"]
             assert norm == pytest.approx(run.ref_norm, rel=1e-5), f"{what} step {step}: norm"
+            clipped += run.ref_norm > run.max_grad_norm
+    return clipped
 
 
 def _parity(rank: int, world_size: int, names: list[str], max_grad_norm: float | None) -> None:
@@ -56,7 +60,9 @@ def _parity(rank: int, world_size: int, names: list[str], max_grad_norm: float |
             max_grad_norm=max_grad_norm,
             bucket_cap_mb=0.0005 if tiny else None,
         )
-        _train(run, f"{name} accum={accum} tiny={tiny} clip={max_grad_norm}", accum)
+        clipped = _train(run, f"{name} accum={accum} tiny={tiny} clip={max_grad_norm}", accum)
+        if max_grad_norm is not None:  # 0.05 clips every step, 1e3 none
+            assert clipped == (STEPS if max_grad_norm < 1 else 0), clipped
         stats = run.ours.offload_stats()
         assert stats["iterations"] == STEPS and stats["buckets"] >= STEPS
 
