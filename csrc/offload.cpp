@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <utility>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -89,13 +90,7 @@ void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<c
       const auto p = static_cast<size_t>(i);
       const at::Tensor& param = params_[p];
       if (masters_[p].defined() && param._version() == versions_[p]) continue;
-      if (!masters_[p].defined()) {
-        masters_[p] = at::empty(param.sizes(), host_options_.dtype(at::kFloat));
-        if (low_precision(p))
-          copies_[p] = at::empty(param.sizes(), host_options_.dtype(param.dtype()));
-        ++generation_;
-      }
-      masters_[p].copy_(param, /*non_blocking=*/on_gpu_);
+      ensure_master(p).copy_(param, /*non_blocking=*/on_gpu_);
       versions_[p] = param._version();
     }
   };
@@ -214,18 +209,13 @@ void HostOffload::process(Job& job) {
 }
 
 void HostOffload::finish_iteration(bool completed) {
-  if (!completed) {
-    held_.clear();
-    sum_squares_ = 0;
-    return;
-  }
+  const std::vector<Job> held = std::exchange(held_, {});
+  const double sum_squares = std::exchange(sum_squares_, 0.0);
+  if (!completed) return;  // held buckets are dropped unstepped
   double grad_norm = -1;
   if (options_.max_grad_norm) {
-    grad_norm = std::sqrt(sum_squares_);
+    grad_norm = std::sqrt(sum_squares);
     const double coef = clip_coefficient(grad_norm, *options_.max_grad_norm);
-    std::vector<Job> held = std::move(held_);
-    held_.clear();
-    sum_squares_ = 0;
     for (const Job& job : held) step_job(job, coef);
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -272,13 +262,19 @@ void HostOffload::load_master(size_t p, const at::Tensor& value) {
   const at::Tensor& param = params_[p];
   TORCH_CHECK(value.numel() == param.numel(), "offload_to_cpu: a master weight of ", value.numel(),
               " elements for a parameter of ", param.numel());
-  if (!masters_[p].defined()) {
-    masters_[p] = at::empty(param.sizes(), host_options_.dtype(at::kFloat));
-    if (low_precision(p)) copies_[p] = at::empty(param.sizes(), host_options_.dtype(param.dtype()));
-  }
-  masters_[p].copy_(value.reshape(param.sizes()));
+  ensure_master(p).copy_(value.reshape(param.sizes()));
   versions_[p] = param._version();
   ++generation_;
+}
+
+at::Tensor& HostOffload::ensure_master(size_t p) {
+  if (!masters_[p].defined()) {
+    const at::Tensor& param = params_[p];
+    masters_[p] = at::empty(param.sizes(), host_options_.dtype(at::kFloat));
+    if (low_precision(p)) copies_[p] = at::empty(param.sizes(), host_options_.dtype(param.dtype()));
+    ++generation_;
+  }
+  return masters_[p];
 }
 
 OffloadStats HostOffload::stats() const {

@@ -23,7 +23,7 @@
 // Threading: submit(), end_iteration() and the accessors run on the Reducer's threads with the
 // Reducer's lock held; the worker never takes that lock. `mu_` guards the queue and the
 // worker's results. The optimizer, masters and staging buffers are touched by the worker only
-// while jobs are queued or running, and by the other methods only after idle() (or before the
+// while jobs are queued or running, and by the other methods only after wait() (or before the
 // first job of an iteration, for the staging buffer and masters of a submitted bucket).
 #pragma once
 
@@ -112,6 +112,8 @@ class HostOffload {
   void step_job(const Job& job, std::optional<double> grad_scale);
   void finish_iteration(bool completed);
   bool low_precision(size_t p) const { return params_[p].scalar_type() != at::kFloat; }
+  // Parameter p's master (and, low-precision, its copy), allocated at first use.
+  at::Tensor& ensure_master(size_t p);
 
   std::vector<at::Tensor> params_;
   std::unique_ptr<FusedOptimizer> optimizer_;

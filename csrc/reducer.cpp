@@ -500,8 +500,8 @@ MemoryStats Reducer::memory_stats() const {
   MemoryStats stats;
   stats.num_buckets = static_cast<int64_t>(buckets_.size());
   stats.bucket_bytes = allocated_bytes_;
+  wait_idle();
   if (offload_) {
-    offload_->wait(/*host_too=*/false);
     const OffloadStats host = offload_->stats();
     stats.host_master_bytes = host.master_bytes;
     stats.host_buffer_bytes = host.host_buffer_bytes;

@@ -169,8 +169,11 @@ class Reducer {
   // The fused optimizer, wherever it lives (null if none). With offload_to_cpu the worker must
   // be idle (wait_idle()).
   FusedOptimizer* fused_optimizer() const;
-  // offload_to_cpu: waits for the worker before the optimizer or masters are touched.
-  void wait_idle() const;
+  // offload_to_cpu: waits for the worker before the optimizer or masters are touched; with
+  // `host_too` also for the copies back, which read the masters (before masters are written).
+  // Without it the host does not wait for the copy stream: reads and state updates need only the
+  // worker idle.
+  void wait_idle(bool host_too = false) const;
 
   // Fixed at construction.
   std::vector<at::Tensor> params_;

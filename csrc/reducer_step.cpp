@@ -78,8 +78,8 @@ OffloadStats Reducer::offload_stats() const {
   return offload_ ? offload_->stats() : OffloadStats{};
 }
 
-void Reducer::wait_idle() const {
-  if (offload_) offload_->wait(/*host_too=*/true);
+void Reducer::wait_idle(bool host_too) const {
+  if (offload_) offload_->wait(host_too);
 }
 
 FusedOptimizer* Reducer::fused_optimizer() const {
@@ -91,7 +91,7 @@ void Reducer::load_master_weight(size_t p, const at::Tensor& value) {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(p < params_.size(), "Reducer: no parameter ", p);
   TORCH_CHECK(offload_, "Reducer: master weights exist only with offload_to_cpu");
-  wait_idle();
+  wait_idle(/*host_too=*/true);
   offload_->load_master(p, value);
 }
 
