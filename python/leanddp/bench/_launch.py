@@ -1,0 +1,176 @@
+"""The launcher of ``python -m leanddp.bench``: one torchrun per configuration, then the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import leanddp
+from leanddp.bench._model import SIZES, TinyGPT
+from leanddp.bench._report import plot, table
+from leanddp.bench._worker import CONFIGS, DTYPES
+
+DEFAULT_CONFIGS = [
+    "torch DDP",
+    "leanddp",
+    "leanddp + optimizer_in_backward",
+    "leanddp + offload_to_cpu",
+]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m leanddp.bench",
+        description=(
+            "Train a small GPT-style model on synthetic tokens once per configuration, each under "
+            "its own torchrun (torch's DDP + AdamW(fused=True); leanddp with gradient views; "
+            "+ optimizer_in_backward; + offload_to_cpu), with and without gradient accumulation. "
+            "Prints a table of memory by category, step time and final loss, checks that the "
+            "losses agree, and writes bench.md, bench.json and bench.png into --out. On CPU it "
+            "runs 2 gloo processes; with GPUs, one NCCL process per GPU."
+        ),
+    )
+    p.add_argument(
+        "--nproc-per-node", type=int, default=None, help="ranks (default: GPUs, or 2 on CPU)"
+    )
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda if any"
+    )
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        choices=list(CONFIGS),
+        default=DEFAULT_CONFIGS,
+        metavar="NAME",
+        help=f"configurations to run, of {list(CONFIGS)} (default: all but torch DDP + views)",
+    )
+    p.add_argument(
+        "--accum",
+        type=int,
+        nargs="+",
+        default=[1, 4],
+        help="micro-batches per step; each is run for every configuration (default: 1 4)",
+    )
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed first steps (default: 2)")
+    p.add_argument("--model", choices=list(SIZES), default="tiny", help="default: tiny")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="default: fp32")
+    p.add_argument("--bucket-cap-mb", type=float, default=2.0, help="every configuration's cap")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--out", type=Path, default=Path("leanddp-bench"), help="default: ./leanddp-bench"
+    )
+    return p
+
+
+def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """Bad arguments end here, before anything is launched."""
+    size = SIZES[args.model]
+    for name, value in (("--steps", args.steps), ("--nproc-per-node", args.nproc_per_node)):
+        if value is not None and value < 1:
+            p.error(f"{name} must be at least 1, got {value}")
+    if args.warmup < 1:
+        p.error(
+            f"--warmup must be at least 1 (the first step builds the buckets), got {args.warmup}"
+        )
+    for a in args.accum:
+        if a < 1 or size.batch % a:
+            p.error(f"--accum {a} must divide the batch of {size.batch} sequences")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch sees no GPU")
+
+
+def environment(args: argparse.Namespace) -> dict[str, str]:
+    """The machine and versions the numbers were measured on."""
+    env = {
+        "command": "python -m leanddp.bench " + " ".join(sys.argv[1:]),
+        "torch": torch.__version__,
+        "leanddp": getattr(leanddp, "__version__", "?"),
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": str(os.cpu_count()),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            env["cpu"] = next(
+                ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        pass
+    if args.device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["cuda"] = str(torch.version.cuda)
+    return env
+
+
+def launch(args: argparse.Namespace, name: str, accum: int, result: Path) -> dict:
+    """Runs one configuration under torchrun; raises if any rank fails."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={args.nproc_per_node}", "--module", "leanddp.bench._worker",
+        "--config", name, "--accum", str(accum), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--model", args.model, "--dtype", args.dtype,
+        "--bucket-cap-mb", str(args.bucket_cap_mb), "--lr", str(args.lr),
+        "--device", args.device, "--result", str(result),
+    ]  # fmt: skip
+    env = dict(os.environ)
+    if args.device == "cpu":  # the cores shared out between the ranks, as torchrun users set it
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // args.nproc_per_node))
+    done = subprocess.run(cmd, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"[leanddp.bench] {name} (accum {accum}) failed: rc {done.returncode}")
+    return json.loads(result.read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m leanddp.bench``."""
+    p = parser()
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.nproc_per_node is None:
+        args.nproc_per_node = torch.cuda.device_count() if args.device == "cuda" else 2
+    check(args, p)
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = [(n, a) for a in args.accum for n in args.configs]
+    params = sum(p.numel() for p in TinyGPT(SIZES[args.model]).parameters())
+    print(
+        f"[leanddp.bench] {len(runs)} runs: {params / 1e6:.2f}M-parameter model, {args.dtype}, "
+        f"{args.nproc_per_node} × {args.device} ({'nccl' if args.device == 'cuda' else 'gloo'})",
+        file=sys.stderr,
+        flush=True,
+    )
+    results, start = [], time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, (name, accum) in enumerate(runs):
+            print(
+                f"[leanddp.bench] [{k + 1}/{len(runs)}] {name}, accumulation {accum} "
+                f"({time.perf_counter() - start:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            results.append(launch(args, name, accum, Path(tmp) / f"{k}.json"))
+    report = {
+        "env": environment(args),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "params": params,
+        "runs": results,
+    }
+    text, agree = table(report)
+    print(text)
+    (args.out / "bench.md").write_text(text + "\n")
+    (args.out / "bench.json").write_text(json.dumps(report, indent=2))
+    if plot(report, args.out / "bench.png"):
+        print(f"[leanddp.bench] wrote {args.out / 'bench.png'}", file=sys.stderr)
+    print(f"[leanddp.bench] wrote {args.out / 'bench.md'} and bench.json", file=sys.stderr)
+    if not agree:
+        raise SystemExit("[leanddp.bench] the final losses differ between configurations")

@@ -1,0 +1,223 @@
+"""One configuration of ``python -m leanddp.bench``, run by torchrun on every rank.
+
+Trains the benchmark model for ``--warmup`` + ``--steps`` steps of ``--accum`` micro-batches
+each (the first ``accum - 1`` under ``no_sync()``, every micro-batch loss divided by ``accum``,
+so every configuration takes the same steps), then one more step with probes that measure
+memory by category. Rank 0 writes the result as JSON to ``--result``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import leanddp
+from leanddp.bench._model import SIZES, TinyGPT, batches, loss_of
+
+#: name -> (wrapper, gradient_as_bucket_view, optimizer_in_backward, offload_to_cpu)
+CONFIGS = {
+    "torch DDP": ("torch", False, False, False),
+    "torch DDP + views": ("torch", True, False, False),
+    "leanddp": ("leanddp", True, False, False),
+    "leanddp + optimizer_in_backward": ("leanddp", True, True, False),
+    "leanddp + offload_to_cpu": ("leanddp", True, True, True),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[leanddp.bench]   {msg}", file=sys.stderr, flush=True)
+
+
+def build(name: str, model: nn.Module, args: argparse.Namespace, device: torch.device):
+    """The wrapped model and the optimizer the loop steps (None: stepped inside backward)."""
+    wrapper, views, in_backward, offload = CONFIGS[name]
+    adamw = functools.partial(torch.optim.AdamW, lr=args.lr, fused=True)
+    kw = dict(bucket_cap_mb=args.bucket_cap_mb)
+    if device.type == "cuda":
+        kw["device_ids"] = [device.index]
+    if wrapper == "torch":
+        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=views, **kw)
+        return ddp, adamw(ddp.parameters())
+    if in_backward:
+        kw.update(optimizer_in_backward=adamw, offload_to_cpu=offload)
+        return leanddp.DistributedDataParallel(model, **kw), None
+    ddp = leanddp.DistributedDataParallel(model, **kw)
+    return ddp, adamw(ddp.parameters())
+
+
+def train_step(
+    ddp: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    batch: torch.Tensor,
+    accum: int,
+    after_backward: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """One optimizer step over ``accum`` micro-batches; returns the step's mean loss."""
+    total = torch.zeros((), device=batch.device)
+    for i, micro in enumerate(batch.chunk(accum)):
+        sync = i == accum - 1
+        with contextlib.nullcontext() if sync else ddp.no_sync():
+            loss = loss_of(ddp, micro) / accum
+            loss.backward()
+        total += loss.detach()
+    if after_backward is not None:
+        after_backward()
+    if opt is not None:
+        opt.step()
+        opt.zero_grad()
+    return total
+
+
+def storages_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def measure(name: str, ddp: nn.Module, opt, batch: torch.Tensor, accum: int) -> dict[str, int]:
+    """One more step that measures gradients, buckets and optimizer state (bytes, rank 0)."""
+    wrapper, _, in_backward, offload = CONFIGS[name]
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    out = {"parameters": storages_bytes(params), "host": 0}
+    if wrapper == "torch":
+
+        def probe() -> None:  # gradients are complete: torch's buckets live for the whole run
+            buckets = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+            out["buckets"] = sum(int(b) for b in str(buckets).split(",") if b.strip())
+            grads = [p.grad for p in params if p.grad is not None]
+            # with views, param.grad lies inside a bucket: only storages beyond those count
+            out["gradients"] = 0 if ddp.gradient_as_bucket_view else storages_bytes(grads)
+
+        train_step(ddp, opt, batch, accum, probe)
+        out["optimizer_device"] = storages_bytes(
+            v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        )
+        return out
+    peak = {"buckets": 0, "gradients": 0}
+
+    def sample(_: torch.Tensor | None = None) -> None:  # the most held at once during backward
+        s = ddp.memory_stats()
+        peak["buckets"] = max(peak["buckets"], s["bucket_bytes"])
+        peak["gradients"] = max(peak["gradients"], s["grad_bytes"])
+
+    handles = [p.register_post_accumulate_grad_hook(sample) for p in params]
+    train_step(ddp, opt, batch, accum, sample)
+    for h in handles:
+        h.remove()
+    s = ddp.memory_stats()
+    out["buckets"] = max(peak["buckets"], s["peak_bucket_bytes"])
+    out["gradients"] = peak["gradients"]
+    if not in_backward:
+        out["optimizer_device"] = storages_bytes(
+            v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+        )
+    elif offload:
+        out["optimizer_device"] = 0
+        out["host"] = s["optimizer_state_bytes"] + s["host_master_bytes"] + s["host_buffer_bytes"]
+    else:
+        out["optimizer_device"] = s["optimizer_state_bytes"]
+    return out
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run(args: argparse.Namespace) -> dict:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    size = SIZES[args.model]
+    data = batches(size, dist.get_rank(), 4, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base_mem = torch.cuda.memory_allocated(device)
+    else:
+        base_mem = rss_bytes()
+    torch.manual_seed(0)
+    model = TinyGPT(size).to(device=device, dtype=DTYPES[args.dtype])
+    ddp, opt = build(args.config, model, args, device)
+    losses, timed = [], 0.0
+    before = ddp.offload_stats() if CONFIGS[args.config][3] else None
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+        losses.append(train_step(ddp, opt, data[i % len(data)], args.accum))
+        if (i + 1) % max(1, (args.warmup + args.steps) // 4) == 0:
+            log(f"step {i + 1}/{args.warmup + args.steps}  loss {losses[-1].item():.4f}")
+    if before is not None:
+        ddp.synchronize()  # the last step's host work belongs to the timed steps
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    timed = (time.perf_counter() - start) / args.steps
+    host = None
+    if before is not None:
+        after = ddp.offload_stats()
+        host = {k: after[k] - before[k] for k in ("step_seconds", "wait_seconds", "buckets")}
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) - base_mem
+    else:  # ru_maxrss is in KiB on Linux: the high-water mark of the run so far
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_mem
+    memory = measure(args.config, ddp, opt, data[0], args.accum)
+    memory["peak_process"] = peak
+    result = dict(
+        config=args.config,
+        accum=args.accum,
+        step_seconds=timed,
+        losses=[float(x) for x in torch.stack(losses).cpu()],
+        memory=memory,
+        host_step=host,
+        world_size=dist.get_world_size(),
+        backend=dist.get_backend(),
+    )
+    dist.destroy_process_group()
+    return result
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", choices=list(CONFIGS), required=True)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--model", choices=list(SIZES), default="tiny")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    p.add_argument("--bucket-cap-mb", type=float, default=2.0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--result", required=True)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    arguments = parse(sys.argv[1:])
+    outcome = run(arguments)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(arguments.result, "w") as f:
+            json.dump(outcome, f)
