@@ -22,6 +22,8 @@ def main() -> None:
         for name, a, b in run.pairs():
             assert_same(a, b, f"step {step} {name}", exact=True)
     dist.barrier()
+    # what torchrun told this process: its node (GROUP_RANK) and its place on it
+    print(f"rank {rank} of {dist.get_world_size()} on node {os.environ['GROUP_RANK']}", flush=True)
     if rank == 0:
         print("PARITY OK", flush=True)
     dist.destroy_process_group()
