@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ddp_models import Case, LockStep, Net, assert_same
 from dist_harness import run_ranks
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.join import Join
 
 import leanddp
 
@@ -146,6 +147,18 @@ def _reducer_and_logging(rank: int, world_size: int) -> None:
         ddp2.reducer._set_static_graph()
     with pytest.raises(NotImplementedError, match="join"):
         ddp2.join()
+    # torch's Join context (Accelerate builds a disabled one around every run): disabled, and
+    # enabled with even inputs, it trains as torch's DDP; only a rank out of inputs first raises
+    run = LockStep(Net(rank=rank), Case(optimizer="adamw"))
+    for enable in (False, True):
+        with Join([run.ours], enable=enable), Join([run.ref], enable=enable):
+            for _ in range(2):
+                run.backward([torch.randn(6, 12)])
+                run.step()
+        for name, a, b in run.pairs():
+            assert_same(a, b, f"Join(enable={enable}) {name}", exact=True)
+    with pytest.raises(NotImplementedError, match="ran out of inputs before the others"):
+        run.ours.join_hook().main_hook()
 
 
 def _hooks(rank: int, world_size: int, name: str) -> None:

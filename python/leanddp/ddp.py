@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.algorithms.join import _JoinConfig
+from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 from torch.nn.parallel.distributed import _find_tensors
 
 from . import _comm, _offload, optim
@@ -217,6 +217,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Runs the module; arms the Reducer unless inside :meth:`no_sync` or without grad."""
         with torch.autograd.profiler.record_function("leanddp.DistributedDataParallel.forward"):
+            if self._join_config.enable:  # inside an enabled Join context: "not joined yet"
+                Join.notify_join_context(self)
             if self._config.offload_to_cpu:
                 self.reducer.wait_for_offload()  # last step's weights are back
             grad_enabled = torch.is_grad_enabled()
@@ -301,9 +303,12 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             "DistributedSampler(..., drop_last=True)."
         )
 
-    def join_hook(self, **kwargs: Any) -> Any:
-        """Not supported yet: raises NotImplementedError, like :meth:`join`."""
-        return self.join()
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook torch's ``Join`` context asks every joinable for. A disabled context, or
+        one that every rank leaves at the same iteration (even inputs), works as with torch's
+        DDP; a rank that runs out of inputs first raises NotImplementedError there, as
+        :meth:`join` does."""
+        return _UnevenInputsHook()
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes held now: ``param_bytes`` (trainable parameters), ``bucket_bytes`` (flat
@@ -425,3 +430,14 @@ def _move_to(inputs: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, 
         return obj
 
     return move(inputs), move(kwargs)
+
+
+class _UnevenInputsHook(JoinHook):
+    """Join's hook: runs only on a rank that left an enabled ``Join`` while others train on."""
+
+    def main_hook(self) -> None:
+        raise NotImplementedError(
+            "leanddp.DistributedDataParallel: this rank ran out of inputs before the others "
+            "(uneven inputs), which join() does not support yet. Give every rank the same number "
+            "of batches, for example with DistributedSampler(..., drop_last=True)."
+        )
