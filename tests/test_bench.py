@@ -54,13 +54,15 @@ def test_bench_runs_every_configuration_with_accumulation(tmp_path: Path) -> Non
 def test_bench_without_accumulation_frees_gradients_in_backward(tmp_path: Path) -> None:
     done = bench(
         "--steps", "1", "--warmup", "1", "--accum", "1", "--out", str(tmp_path),
-        "--configs", "torch DDP", "leanddp + optimizer_in_backward",
+        "--configs", "leanddp + optimizer_in_backward",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    runs = {r["config"]: r for r in json.loads((tmp_path / "bench.json").read_text())["runs"]}
-    params = runs["torch DDP"]["memory"]["parameters"]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    memory = report["runs"][0]["memory"]
+    assert memory["parameters"] == 4 * report["params"]
     # stepped and released bucket by bucket: never all buckets at once
-    assert runs["leanddp + optimizer_in_backward"]["memory"]["buckets"] < params
+    assert 0 < memory["buckets"] < memory["parameters"]
+    assert "vs torch DDP" in done.stdout  # no torch run to compare with: the ratio is left out
 
 
 def test_bench_rejects_bad_arguments_before_launching() -> None:

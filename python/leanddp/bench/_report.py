@@ -50,9 +50,10 @@ def table(report: dict) -> tuple[str, bool]:
     for r in runs:
         m = r["memory"]
         beside = (m["gradients"] + m["buckets"] + m["optimizer_device"]) / m["parameters"]
-        ratio = r["step_seconds"] / anchor[r["accum"]] if r["accum"] in anchor else float("nan")
+        base = anchor.get(r["accum"])
+        ratio = f"{r['step_seconds'] / base:.3f}" if base else "—"
         lines.append(
-            f"| {r['config']} | {r['accum']} | {r['step_seconds'] * 1e3:.1f} | {ratio:.3f} "
+            f"| {r['config']} | {r['accum']} | {r['step_seconds'] * 1e3:.1f} | {ratio} "
             f"| {mib(m['parameters'])} | {mib(m['gradients'])} | {mib(m['buckets'])} "
             f"| {mib(m['optimizer_device'])} | {beside:.2f} "
             f"| {mib(m['host']) if m['host'] else '—'} | {mib(m['peak_process'])} "
