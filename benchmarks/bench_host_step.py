@@ -46,9 +46,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_ops import environment, log  # the same machine/version record as the op benchmark
+from bench_ops import log
 
 from leanddp import ops
+from leanddp.bench._env import environment
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 HYPER = dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
@@ -245,7 +246,7 @@ def main(argv: list[str]) -> None:
     rows = contenders(shapes, deepspeed=not args.no_deepspeed)
     log(f"timing {sum(fn is not None for _, _, fn, _ in rows)} implementations")
     results = summarize(rows, measure(rows, args.rounds), numel)
-    env = environment(argv)
+    env = environment("python " + " ".join(argv))
     env.update(cores=os.cpu_count(), layout=f"{args.layout}, {len(shapes)} tensors")
     env.update(numel=numel, rounds=args.rounds)
     try:

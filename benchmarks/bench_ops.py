@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -30,8 +29,8 @@ from pathlib import Path
 import torch
 from torch._utils import _flatten_dense_tensors
 
-import leanddp
 from leanddp import ops
+from leanddp.bench._env import environment
 
 # GPT-2 small: token and position embeddings, then 12 blocks of (qkv, proj, 2 LayerNorms, MLP).
 GPT2_BLOCK = [
@@ -212,27 +211,6 @@ def bench_device(device: str, rounds: int) -> list[dict]:
     return rows
 
 
-def environment(argv: list[str]) -> dict:
-    cpuinfo = Path("/proc/cpuinfo")
-    models = [
-        line.split(":", 1)[1].strip()
-        for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
-        if line.startswith("model name")
-    ]
-    cpu = models[0] if models else platform.processor()
-    env = dict(
-        command="python " + " ".join(argv),
-        python=platform.python_version(),
-        torch=torch.__version__,
-        leanddp=leanddp.build_info(),
-        cpu=cpu,
-        threads=torch.get_num_threads(),
-    )
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-    return env
-
-
 def markdown(rows: list[dict], env: dict) -> str:
     lines = [f"- {k}: {v}" for k, v in env.items()]
     lines += [
@@ -312,7 +290,7 @@ def main(argv: list[str]) -> None:
         if args.device == "cuda":
             raise SystemExit("--device cuda: no GPU is visible")
         devices = ["cpu"]
-    env = environment(argv)
+    env = environment("python " + " ".join(argv))
     rows = [row for device in devices for row in bench_device(device, args.rounds)]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_ops.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))

@@ -2,10 +2,11 @@
 "nodes" (two torchrun agents, one process each) meeting through a c10d rendezvous on 127.0.0.1,
 the way a multi-node job starts."""
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from dist_harness import _free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "torchrun_parity.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -22,14 +23,8 @@ def test_torchrun_two_ranks() -> None:
     assert "PARITY OK" in result.stdout
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_torchrun_two_nodes_c10d_rendezvous() -> None:
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{_free_port()}"
     nodes = [
         subprocess.Popen(
             [

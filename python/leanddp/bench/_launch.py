@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-import leanddp
+from leanddp.bench._env import environment
 from leanddp.bench._model import SIZES, TinyGPT
 from leanddp.bench._report import plot, table
 from leanddp.bench._worker import CONFIGS, DTYPES
@@ -89,29 +88,6 @@ def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error("--device cuda, but torch sees no GPU")
 
 
-def environment(args: argparse.Namespace) -> dict[str, str]:
-    """The machine and versions the numbers were measured on."""
-    env = {
-        "command": "python -m leanddp.bench " + " ".join(sys.argv[1:]),
-        "torch": torch.__version__,
-        "leanddp": getattr(leanddp, "__version__", "?"),
-        "python": platform.python_version(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpus": str(os.cpu_count()),
-    }
-    try:
-        with open("/proc/cpuinfo") as f:
-            env["cpu"] = next(
-                ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")
-            )
-    except (OSError, StopIteration):
-        pass
-    if args.device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(0)
-        env["cuda"] = str(torch.version.cuda)
-    return env
-
-
 def launch(args: argparse.Namespace, name: str, accum: int, result: Path) -> dict:
     """Runs one configuration under torchrun; raises if any rank fails."""
     cmd = [
@@ -160,7 +136,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             results.append(launch(args, name, accum, Path(tmp) / f"{k}.json"))
     report = {
-        "env": environment(args),
+        "env": environment(
+            "python -m leanddp.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+        ),
         "args": {k: str(v) for k, v in vars(args).items()},
         "params": params,
         "runs": results,

@@ -90,6 +90,13 @@ def storages_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct storages behind the optimizer's state."""
+    return storages_bytes(
+        v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+    )
+
+
 def measure(name: str, ddp: nn.Module, opt, batch: torch.Tensor, accum: int) -> dict[str, int]:
     """One more step that measures gradients, buckets and optimizer state (bytes, rank 0)."""
     wrapper, _, in_backward, offload = CONFIGS[name]
@@ -105,9 +112,7 @@ def measure(name: str, ddp: nn.Module, opt, batch: torch.Tensor, accum: int) -> 
             out["gradients"] = 0 if ddp.gradient_as_bucket_view else storages_bytes(grads)
 
         train_step(ddp, opt, batch, accum, probe)
-        out["optimizer_device"] = storages_bytes(
-            v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
-        )
+        out["optimizer_device"] = state_bytes(opt)
         return out
     peak = {"buckets": 0, "gradients": 0}
 
@@ -124,9 +129,7 @@ def measure(name: str, ddp: nn.Module, opt, batch: torch.Tensor, accum: int) -> 
     out["buckets"] = max(peak["buckets"], s["peak_bucket_bytes"])
     out["gradients"] = peak["gradients"]
     if not in_backward:
-        out["optimizer_device"] = storages_bytes(
-            v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
-        )
+        out["optimizer_device"] = state_bytes(opt)
     elif offload:
         out["optimizer_device"] = 0
         out["host"] = s["optimizer_state_bytes"] + s["host_master_bytes"] + s["host_buffer_bytes"]
@@ -160,7 +163,7 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model = TinyGPT(size).to(device=device, dtype=DTYPES[args.dtype])
     ddp, opt = build(args.config, model, args, device)
-    losses, timed = [], 0.0
+    losses = []
     before = ddp.offload_stats() if CONFIGS[args.config][3] else None
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
