@@ -1,5 +1,5 @@
 """torch.compile with leanddp: a compiled module wrapped in leanddp, and a leanddp-wrapped module
-passed to torch.compile, train with the numbers of the eager wrapper (gloo, 2 ranks, CPU)."""
+passed to torch.compile, train with the numbers of torch's eager DDP + AdamW (gloo, 2 ranks)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,13 @@ def model() -> nn.Module:
 def wrap(module: nn.Module, in_backward: bool) -> leanddp.DistributedDataParallel:
     kw = dict(process_group=dist.new_group(), bucket_cap_mb=0.005)  # several buckets
     if in_backward:
-        kw["optimizer_in_backward"] = functools.partial(torch.optim.AdamW, lr=0.01)
+        kw["optimizer_in_backward"] = functools.partial(torch.optim.AdamW, lr=0.01)  # as torch's
     return leanddp.DistributedDataParallel(module, **kw)
 
 
 def train_both(rank: int, world_size: int, where: str, in_backward: bool, backend: str) -> None:
-    """Trains the eager and the compiled wrapper side by side; aot_eager runs eager kernels
+    """Trains torch's eager DDP + AdamW and compiled leanddp side by side; aot_eager runs eager
+    kernels
     (1e-5 relative), while inductor's fused kernels round differently from eager and AdamW
     turns a 1e-7 relative gradient difference into up to ~1e-4 of a step (1e-4 relative)."""
     tol = 1e-5 if backend == "aot_eager" else 1e-4
@@ -47,13 +48,16 @@ def train_both(rank: int, world_size: int, where: str, in_backward: bool, backen
     compile_ = functools.partial(
         torch.compile, backend=functools.partial(counting, backend=backend)
     )
-    eager = wrap(model(), in_backward)
+    eager = torch.nn.parallel.DistributedDataParallel(
+        model(), process_group=dist.new_group(), bucket_cap_mb=0.005
+    )
     if where == "inside":  # leanddp(torch.compile(model))
         compiled = wrap(compile_(model()), in_backward)
     else:  # torch.compile(leanddp(model))
         compiled = compile_(wrap(model(), in_backward))
-    runs = [(m, None if in_backward else torch.optim.AdamW(m.parameters(), lr=0.01))
-            for m in (eager, compiled)]  # fmt: skip
+    adamw = functools.partial(torch.optim.AdamW, lr=0.01)
+    runs = [(eager, adamw(eager.parameters())),
+            (compiled, None if in_backward else adamw(compiled.parameters()))]  # fmt: skip
     for step in range(4):
         batches = [torch.randn(8, 16) for _ in range(2)]
         for m, opt in runs:
