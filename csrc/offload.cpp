@@ -197,14 +197,16 @@ void HostOffload::process(Job& job) {
     return;
   }
   if (job.copied) job.copied->synchronize();
-  if (!options_.max_grad_norm) {
+  if (!holds()) {
     step_job(job, std::nullopt);
     return;
   }
-  // Unused parameters' slots hold zeros: the sum is over the gradients torch would clip.
-  const double norm =
-      at::linalg_vector_norm(job.staging, 2, std::nullopt, false, at::kDouble).item<double>();
-  sum_squares_ += norm * norm;
+  if (options_.max_grad_norm) {
+    // Unused parameters' slots hold zeros: the sum is over the gradients torch would clip.
+    const double norm =
+        at::linalg_vector_norm(job.staging, 2, std::nullopt, false, at::kDouble).item<double>();
+    sum_squares_ += norm * norm;
+  }
   held_.push_back(std::move(job));
 }
 
@@ -213,11 +215,12 @@ void HostOffload::finish_iteration(bool completed) {
   const double sum_squares = std::exchange(sum_squares_, 0.0);
   if (!completed) return;  // held buckets are dropped unstepped
   double grad_norm = -1;
+  std::optional<double> coef;
   if (options_.max_grad_norm) {
     grad_norm = std::sqrt(sum_squares);
-    const double coef = clip_coefficient(grad_norm, *options_.max_grad_norm);
-    for (const Job& job : held) step_job(job, coef);
+    coef = clip_coefficient(grad_norm, *options_.max_grad_norm);
   }
+  for (const Job& job : held) step_job(job, coef);
   std::lock_guard<std::mutex> lock(mu_);
   ++stats_.iterations;
   stats_.grad_norm = grad_norm;

@@ -13,7 +13,9 @@
 //      and copies the weights back to the parameters on the copy stream.
 // With max_grad_norm, the worker accumulates each bucket's squared norm as it arrives and holds
 // the steps until end_iteration(): the global norm is then known and every gradient is scaled
-// by torch.nn.utils.clip_grad_norm_'s coefficient inside the step kernel.
+// by torch.nn.utils.clip_grad_norm_'s coefficient inside the step kernel. hold_steps() holds
+// them the same way without clipping (the Reducer's NaN check decides at the end of backward
+// whether the iteration is completed or dropped).
 //
 // wait() is where the next forward (or anything reading parameters or state) waits: for the
 // worker to finish, then (GPU) the current stream waits for the copies back: the host step
@@ -86,6 +88,8 @@ class HostOffload {
   void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);
   // Stops the worker for good (see the destructor); later submits are dropped.
   void shutdown();
+  // From now on (before the first submit) steps wait for end_iteration(), as with clipping.
+  void hold_steps() { hold_ = true; }
 
   // Worker idle (after wait(true)) for the rest.
   FusedOptimizer& optimizer() { return *optimizer_; }
@@ -112,6 +116,7 @@ class HostOffload {
   void step_job(const Job& job, std::optional<double> grad_scale);
   void finish_iteration(bool completed);
   bool low_precision(size_t p) const { return params_[p].scalar_type() != at::kFloat; }
+  bool holds() const { return hold_ || options_.max_grad_norm.has_value(); }
   // Parameter p's master (and, low-precision, its copy), allocated at first use.
   at::Tensor& ensure_master(size_t p);
 
@@ -119,6 +124,7 @@ class HostOffload {
   std::unique_ptr<FusedOptimizer> optimizer_;
   OffloadOptions options_;
   bool on_gpu_ = false;
+  bool hold_ = false;                       // steps wait for end_iteration() (hold_steps())
   std::optional<c10::Stream> copy_stream_;  // GPU only
   at::TensorOptions host_options_;          // host memory, pinned on a GPU machine
 

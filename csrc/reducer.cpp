@@ -37,6 +37,8 @@ bool is_view(const at::Tensor& grad, const at::Tensor& view) {
          grad.strides() == view.strides();
 }
 
+}  // namespace
+
 std::string join_names(const std::vector<std::string>& names, const std::vector<int64_t>& idx) {
   std::ostringstream out;
   for (size_t k = 0; k < idx.size(); ++k) {
@@ -48,8 +50,6 @@ std::string join_names(const std::vector<std::string>& names, const std::vector<
   }
   return out.str();
 }
-
-}  // namespace
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                  c10::intrusive_ptr<c10d::ProcessGroup> process_group, ReducerOptions options)
@@ -67,6 +67,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   for (size_t i = 0; i < n; ++i) order[i] = static_cast<int64_t>(n - 1 - i);
   build_buckets(assign_buckets(params_, order, options_.caps_bytes));
   reset_iteration_state();
+  local_used_.assign(n, 0);
   for (size_t i = 0; i < n; ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
     TORCH_CHECK(acc, "Reducer: parameter ", names_[i], " has no gradient accumulator");
@@ -131,6 +132,7 @@ bool Reducer::should_rebuild() const {
 void Reducer::reset_iteration_state() {
   const size_t n = params_.size();
   armed_ = false;
+  callback_queued_ = false;  // a backward that raised never ran its callback
   unused_marked_ = false;
   recording_order_ = false;
   next_bucket_ = 0;
@@ -138,34 +140,19 @@ void Reducer::reset_iteration_state() {
   ready_.assign(n, 0);
   sources_.assign(n, at::Tensor());
   unused_.clear();
-  local_used_.assign(n, 0);
   works_.assign(buckets_.size(), {});
+  collected_.assign(buckets_.size(), 0);
+  nan_bucket_ = -1;
+  nan_params_.clear();
   local_used_reduced_ = at::Tensor();
   local_used_work_.reset();
   for (Bucket& b : buckets_) b.pending = b.params.size();
 }
 
-void Reducer::abandon_iteration() {
-  for (auto& work : works_) {
-    if (!work) continue;
-    try {
-      work->wait();
-    } catch (...) {  // the iteration is being abandoned because of an error already raised
-    }
-  }
-  if (local_used_work_) {
-    try {
-      local_used_work_->wait();
-    } catch (...) {
-    }
-  }
-  if (comm_hook_) comm_hook_->reset();
-  if (offload_) offload_->end_iteration(/*completed=*/false);
-  reset_iteration_state();
-}
-
 std::vector<std::string> Reducer::prepare_for_forward() {
   std::lock_guard<std::mutex> lock(mu_);
+  recover_unfinished();
+  reduced_since_forward_ = false;
   std::vector<std::string> replaced;
   if (!options_.gradient_as_bucket_view) return replaced;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -183,9 +170,7 @@ std::vector<std::string> Reducer::prepare_for_forward() {
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mu_);
-  // A backward that never reached its end (an error in a hook): buckets it handed to the host
-  // for clipping are dropped, not counted into this iteration's norm.
-  if (armed_ && offload_) offload_->end_iteration(/*completed=*/false);
+  recover_unfinished();  // (prepare_for_forward did this already, unless the forward ran no_grad)
   reset_iteration_state();
   armed_ = true;
   peak_bucket_bytes_ = allocated_bytes_;
@@ -221,7 +206,15 @@ void Reducer::autograd_hook(size_t index) {
   at::NoGradGuard no_grad;
   std::lock_guard<std::mutex> lock(mu_);
   if (!armed_) {
-    // no_sync() or a backward not prepared by a forward: accumulate locally, in the views.
+    TORCH_CHECK(!reduced_since_forward_, "leanddp.DistributedDataParallel: parameter ",
+                names_[index],
+                " received a gradient in a second backward through the outputs of one forward "
+                "(its gradients were already reduced). Each backward that reduces needs a "
+                "forward through the wrapper of its own; to accumulate gradients without "
+                "reducing, run that forward inside no_sync().");
+    // no_sync() or a backward not prepared by a forward: accumulate locally, in the views. A
+    // parameter used here is used in the next synchronized step, as in torch's DDP.
+    if (params_[index].grad().defined()) local_used_[index] = 1;
     if (!options_.gradient_as_bucket_view) return;
     at::Tensor& grad = params_[index].mutable_grad();
     const auto [b, s] = location_[index];
@@ -275,11 +268,15 @@ void Reducer::mark_ready(size_t index) {
         at::from_blob(local_used_.data(), {static_cast<int64_t>(local_used_.size())}, at::kInt);
     local_used_reduced_ = used_cpu.to(params_[0].device(), /*non_blocking=*/false, /*copy=*/true);
     std::vector<at::Tensor> tensors{local_used_reduced_};
-    local_used_work_ = process_group_->allreduce(tensors);
+    try {
+      local_used_work_ = process_group_->allreduce(tensors);
+    } catch (...) {
+      rethrow_collective_error("the reduction of which parameters are used");
+    }
   }
   // Step what is reduced already, unless this iteration is still learning which parameters
   // are used (then everything is stepped at the end of backward).
-  if (options_.step_in_backward && !tracks_unused()) {
+  if (steps_in_hooks()) {
     step_reduced_buckets(/*wait=*/false, options_.static_graph ? &static_used_ : nullptr);
   }
 }
@@ -313,7 +310,11 @@ void Reducer::launch(size_t bucket_index) {
                        bucket.params);
   } else {
     std::vector<at::Tensor> tensors{bucket.flat};
-    works_[bucket_index] = process_group_->allreduce(tensors);
+    try {
+      works_[bucket_index] = process_group_->allreduce(tensors);
+    } catch (...) {
+      rethrow_collective_error("starting the reduction of bucket " + std::to_string(bucket_index));
+    }
   }
 }
 
@@ -344,7 +345,11 @@ void Reducer::finalize() {
     }
     std::vector<int32_t> used(params_.size(), 1);
     if (tracks_unused()) {
-      local_used_work_->wait();
+      try {
+        local_used_work_->wait();
+      } catch (...) {
+        rethrow_collective_error("the reduction of which parameters are used");
+      }
       const at::Tensor reduced = local_used_reduced_.cpu();
       const int32_t* data = reduced.data_ptr<int32_t>();
       std::copy(data, data + used.size(), used.begin());
@@ -352,14 +357,21 @@ void Reducer::finalize() {
     } else if (options_.static_graph) {
       used = static_used_;
     }
+    std::vector<size_t> unstepped;
+    for (size_t b = next_step_; b < buckets_.size(); ++b) unstepped.push_back(b);
     if (options_.step_in_backward) {
-      step_reduced_buckets(/*wait=*/true, &used);
+      if (options_.nan_check == NanCheck::kStrict) {
+        for (size_t b : unstepped) collect_reduced(b);
+        check_finite(unstepped);  // before any step: a NaN leaves every weight as it was
+      }
+      step_reduced_buckets(/*wait=*/true, &used);  // (checks each bucket before its step)
+      if (nan_bucket_ >= 0) raise_nonfinite(used);
       if (offload_) offload_->end_iteration(/*completed=*/true);
     } else {
-      for (size_t b = 0; b < buckets_.size(); ++b) {
-        collect_reduced(b);
-        write_reduced_grads(b, used);
-      }
+      for (size_t b : unstepped) collect_reduced(b);
+      if (options_.nan_check != NanCheck::kOff) check_finite(unstepped);
+      for (size_t b : unstepped) write_reduced_grads(b, used);
+      if (nan_bucket_ >= 0) raise_nonfinite(used);
     }
     if (options_.static_graph && iterations_ == 0) {
       static_unused_.clear();
@@ -370,23 +382,35 @@ void Reducer::finalize() {
     ++iterations_;
     if (comm_hook_) comm_hook_->reset();
     reset_iteration_state();
+    std::fill(local_used_.begin(), local_used_.end(), 0);
+    reduced_since_forward_ = true;
   } catch (...) {
-    abandon_iteration();
+    abandon_iteration(/*step_launched=*/false);
     throw;
   }
 }
 
 void Reducer::collect_reduced(size_t index) {
+  if (collected_[index]) return;
   Bucket& bucket = buckets_[index];
-  if (!comm_hook_) {
-    works_[index]->wait();
-    return;
+  at::Tensor result;
+  try {
+    if (comm_hook_) {
+      result = comm_hook_->wait(index);
+    } else {
+      works_[index]->wait();
+    }
+  } catch (...) {
+    rethrow_collective_error("the reduction of bucket " + std::to_string(index) + " (" +
+                             join_names(names_, bucket.params) + ")");
   }
-  const at::Tensor result = comm_hook_->wait(index);
-  TORCH_CHECK(result.numel() == bucket.flat.numel(),
-              "leanddp.DistributedDataParallel: the communication hook returned a tensor of ",
-              result.numel(), " elements for bucket ", index, " of ", bucket.flat.numel());
-  if (!result.is_same(bucket.flat)) bucket.flat.copy_(result.reshape({-1}));
+  if (comm_hook_) {
+    TORCH_CHECK(result.numel() == bucket.flat.numel(),
+                "leanddp.DistributedDataParallel: the communication hook returned a tensor of ",
+                result.numel(), " elements for bucket ", index, " of ", bucket.flat.numel());
+    if (!result.is_same(bucket.flat)) bucket.flat.copy_(result.reshape({-1}));
+  }
+  collected_[index] = kCollected;
 }
 
 void Reducer::write_reduced_grads(size_t bucket_index, const std::vector<int32_t>& used) {
@@ -439,7 +463,11 @@ bool Reducer::rebuild_buckets() {
   // Every rank adopts rank 0's order, so every rank launches the same buckets in the same order.
   at::Tensor shared = at::tensor(order, at::kLong).to(params_[0].device());
   std::vector<at::Tensor> tensors{shared};
-  process_group_->broadcast(tensors)->wait();
+  try {
+    process_group_->broadcast(tensors)->wait();
+  } catch (...) {
+    rethrow_collective_error("broadcasting the gradient order from rank 0 (rebuilding buckets)");
+  }
   const at::Tensor agreed = shared.cpu();
   order.assign(agreed.data_ptr<int64_t>(), agreed.data_ptr<int64_t>() + n);
   std::fill(seen.begin(), seen.end(), 0);

@@ -13,6 +13,11 @@
 // bucket is copied to the host and released, and the next forward waits for the host steps
 // (wait_for_offload).
 //
+// Failures (see docs/reliability.md): a reduction that fails is rethrown into backward with what
+// was being reduced; a backward that raised part-way is wound up at the next forward, the same way
+// on every rank (abandon_iteration); with a NaN check the reduced buckets are checked before they
+// are stepped or handed back, and every rank raises at the end of backward.
+//
 // Threading: hooks and the final callback run on autograd's threads; the Python-facing methods
 // run on the caller's thread with the GIL released. All mutable state is guarded by `mu_`.
 #pragma once
@@ -36,6 +41,14 @@
 
 namespace leanddp {
 
+// "a, b, c" for the parameters `idx` (at most 8 named, then the count), for error messages.
+std::string join_names(const std::vector<std::string>& names, const std::vector<int64_t>& idx);
+
+// check_for_nan_in_grad: off; on (raise at the end of backward; with optimizer_in_backward on the
+// device, buckets stepped before the bad one keep their update); strict (also defers the device's
+// in-backward steps to the end of backward, so a NaN changes no weight).
+enum class NanCheck { kOff = 0, kOn = 1, kStrict = 2 };
+
 struct ReducerOptions {
   // Byte caps of consecutive buckets per (device, dtype); the last one repeats.
   std::vector<int64_t> caps_bytes{kFirstBucketCapBytes, 25 * (int64_t{1} << 20)};
@@ -48,6 +61,7 @@ struct ReducerOptions {
   bool static_graph = false;
   // optimizer_in_backward: buckets are stepped (set_optimizer) and released inside backward.
   bool step_in_backward = false;
+  NanCheck nan_check = NanCheck::kOff;
 };
 
 // Bytes the Reducer accounts for (see Reducer::memory_stats()).
@@ -85,7 +99,8 @@ class Reducer {
   // Called by every forward when gradients may be taken (before the module runs). Returns the
   // names of parameters whose grad was a bucket view and has since been replaced by a tensor
   // of its own (the caller warns once); their values are copied into the bucket on the next
-  // backward, so results stay right.
+  // backward, so results stay right. Winds up a backward that raised part-way first
+  // (abandon_iteration) and raises if its reductions failed too.
   std::vector<std::string> prepare_for_forward();
 
   // Arms the hooks for the next backward, which will reduce. `outputs` are the forward's
@@ -147,15 +162,34 @@ class Reducer {
   void launch(size_t bucket_index);
   // The end-of-backward callback: waits for every reduction and writes the results to grads.
   void finalize();
-  // Waits for everything in flight, ignoring errors, and disarms (after an error).
-  void abandon_iteration();
+  // After an error in an armed iteration (raised in finalize, or a backward that stopped part-way,
+  // found at the next forward): waits for every launched reduction and disarms. With
+  // optimizer_in_backward, `step_launched` steps the launched buckets not stepped yet where hooks
+  // step (every rank launched the same ones, so every rank then holds the same weights); the
+  // other gradients of the step are released. Returns false if a reduction failed.
+  bool abandon_iteration(bool step_launched);
+  // A backward prepared by a forward has not finished (it raised): abandon it; throws if its
+  // reductions failed (the process group is then unusable).
+  void recover_unfinished();
+  // Whether buckets are stepped from the hooks as their reductions finish (else at the end).
+  bool steps_in_hooks() const;
+  // Rethrows the exception being handled with `what` failed, and what that usually means.
+  [[noreturn]] void rethrow_collective_error(const std::string& what) const;
+  // check_for_nan_in_grad: checks the reduced buckets `indices` (one device synchronization for
+  // all) and remembers the first holding a NaN or infinity, with its offending parameters. Every
+  // rank holds the same reduced values, so every rank finds the same bucket.
+  void check_finite(const std::vector<size_t>& indices);
+  // Raises the NaN check's error, naming what holds NaN/inf and which parameters were stepped
+  // (`used`: this iteration's globally-used verdict).
+  [[noreturn]] void raise_nonfinite(const std::vector<int32_t>& used) const;
   void reset_iteration_state();
   // Lays out new buckets (storage allocated unless step_in_backward).
   void build_buckets(const std::vector<std::vector<int64_t>>& assignment);
   bool tracks_unused() const;  // this iteration learns which parameters are globally unused
   bool should_rebuild() const;
   void write_reduced_grads(size_t bucket_index, const std::vector<int32_t>& used);
-  // Waits for bucket `index`'s reduction and leaves the averaged result in its flat buffer.
+  // Waits for bucket `index`'s reduction and leaves the averaged result in its flat buffer
+  // (once per iteration; later calls return at once).
   void collect_reduced(size_t index);
   // optimizer_in_backward: steps every launched bucket whose reduction is complete (all of them,
   // waiting, if `wait`), in launch order, then releases them. `used`: the per-parameter
@@ -206,9 +240,16 @@ class Reducer {
   std::vector<char> ready_;
   std::vector<at::Tensor> sources_;  // per param: the tensor to copy into its slice at launch
   std::vector<int64_t> unused_;      // parameters this iteration expects no gradient for
-  std::vector<int32_t> local_used_;  // per param: 1 if its hook fired on this rank
+  // Per param: 1 if its hook fired on this rank since the last synchronized backward (no_sync
+  // micro-batches included); reset when a synchronized backward ends or is abandoned.
+  std::vector<int32_t> local_used_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;  // per launched bucket
-  at::Tensor local_used_reduced_;                      // the allreduced local_used_ (when tracked)
+  // Per bucket: kCollected once its result is in `flat`, kChecked once also found finite.
+  static constexpr char kCollected = 1, kChecked = 2;
+  std::vector<char> collected_;
+  int64_t nan_bucket_ = -1;          // first bucket with NaN/inf (nan check)
+  std::vector<int64_t> nan_params_;  // its parameters holding NaN/inf
+  at::Tensor local_used_reduced_;    // the allreduced local_used_ (when tracked)
   c10::intrusive_ptr<c10d::Work> local_used_work_;
 
   // Bucket bytes allocated now, and the most during the current/last synchronized backward.
@@ -218,6 +259,9 @@ class Reducer {
 
   // Across iterations.
   int64_t iterations_ = 0;
+  // A synchronized backward finished since the last forward: a hook firing now is a second
+  // backward through one forward's outputs (an error, not local accumulation).
+  bool reduced_since_forward_ = false;
   std::vector<int64_t> static_unused_;  // static graph: unused on this rank in the first iteration
   std::vector<int32_t> static_used_;    // static graph: used on any rank in the first iteration
   std::vector<char> grad_was_view_;     // we set param.grad to its bucket view

@@ -15,6 +15,11 @@ void Reducer::step_reduced_buckets(bool wait, const std::vector<int32_t>* used) 
 
 void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
   collect_reduced(index);
+  if (options_.nan_check != NanCheck::kOff) check_finite({index});
+  if (nan_bucket_ >= 0) {  // this bucket, or one stepped before it, holds NaN/inf: not stepped
+    release(index);
+    return;
+  }
   Bucket& bucket = buckets_[index];
   // Used members the fused kernels can step go to them (`mask`); the others to the fallback.
   std::vector<char> mask(bucket.params.size(), 0);
@@ -61,6 +66,8 @@ void Reducer::set_optimizer(std::unique_ptr<FusedOptimizer> fused,
   fused_ = std::move(fused);
   fallback_ = std::move(fallback);
   offload_ = std::move(offload);
+  // The NaN check runs before the host steps: they wait for the end of backward.
+  if (offload_ && options_.nan_check != NanCheck::kOff) offload_->hold_steps();
 }
 
 void Reducer::wait_for_offload(bool host_too) {

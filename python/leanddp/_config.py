@@ -61,6 +61,15 @@ class DDPConfig:
     """offload_to_cpu: clip the gradients' global 2-norm to this, as clip_grad_norm_ would."""
     offload_threads: int = 1
     """offload_to_cpu: threads of the host optimizer step."""
+    check_for_nan_in_grad: bool | str = False
+    """Raise on every rank, at the end of backward, if a reduced gradient holds NaN or inf:
+    True, or ``"strict"`` (with optimizer_in_backward on the device, the steps then wait for the
+    end of backward, so a NaN changes no weight)."""
+
+    @property
+    def nan_check(self) -> int:
+        """The Reducer's code for check_for_nan_in_grad: 0 off, 1 on, 2 strict."""
+        return {False: 0, True: 1, "strict": 2}[self.check_for_nan_in_grad]
 
     def without_group(self) -> DDPConfig:
         """A picklable copy (process groups do not pickle)."""
@@ -75,10 +84,6 @@ _UNSUPPORTED = {
     "param_to_hook_all_reduce": None,
     "mixed_precision": None,
     "skip_all_reduce_unused_params": False,
-}
-
-_LATER = {
-    "check_for_nan_in_grad": (False, "check_for_nan_in_grad"),
 }
 
 
@@ -207,9 +212,9 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
     for name, default in _UNSUPPORTED.items():
         if kw[name] != default and kw[name] is not None:
             _fail(f"{name} is not supported", NotImplementedError)
-    for name, (default, feature) in _LATER.items():
-        if kw[name] != default:
-            _fail(f"{feature} is not implemented yet", NotImplementedError)
+    nan_check = kw["check_for_nan_in_grad"]
+    if not (isinstance(nan_check, bool) or nan_check == "strict"):
+        _fail(f"check_for_nan_in_grad must be True, False or 'strict', got {nan_check!r}")
     factory = kw["optimizer_in_backward"]
     if factory is not None and not callable(factory):
         _fail(
@@ -264,4 +269,5 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
         offload_to_cpu=offload,
         max_grad_norm=max_grad_norm,
         offload_threads=offload_threads,
+        check_for_nan_in_grad=nan_check,
     )

@@ -42,8 +42,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     forward waits for them. ``max_grad_norm``: exact global-norm clipping (as
     ``torch.nn.utils.clip_grad_norm_``) of each step, with offload_to_cpu.
 
-    Arriving in a later release (a non-default value raises NotImplementedError now):
-    ``check_for_nan_in_grad``.
+    ``check_for_nan_in_grad=True``: a NaN or infinity in a reduced gradient raises on every
+    rank at the end of backward, naming the parameter, before ``optimizer.step()`` can run.
+    With ``offload_to_cpu`` the host steps wait for the check, so no weight changes. With
+    ``optimizer_in_backward`` on the device, buckets reduced before the bad one were already
+    stepped (the error lists their parameters); ``check_for_nan_in_grad="strict"`` defers those
+    steps to the end of backward so that no weight changes, holding every gradient bucket until
+    then. See docs/reliability.md for what happens on errors.
 
     Construction broadcasts parameters and buffers from rank 0 and checks that every rank
     holds the same parameters (a collective every rank must enter), unless
@@ -194,6 +199,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def _build_reducer(self) -> None:
         named = self._named_trainable
         self._params = [p for _, p in named]
+        self._param_names = [name for name, _ in named]
         self.reducer = _C.Reducer(
             self._params,
             [name for name, _ in named],
@@ -203,6 +209,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.find_unused_parameters,
             self.static_graph,
             self._in_backward is not None,
+            self._config.nan_check,
         )
         if self._in_backward is not None:
             self._in_backward.attach(self.reducer)
@@ -223,6 +230,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 self.reducer.wait_for_offload()  # last step's weights are back
             grad_enabled = torch.is_grad_enabled()
             if grad_enabled:
+                self._check_parameters_unchanged()
                 self._warn_replaced_grads(self.reducer.prepare_for_forward())
                 self.reducer.rebuild_buckets()
                 if self._in_backward is not None:
@@ -250,7 +258,39 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         )
 
     def _sync_buffers(self) -> None:
-        broadcast_from_rank0(self.modules_buffers, self.process_group)
+        try:
+            broadcast_from_rank0(self.modules_buffers, self.process_group)
+        except RuntimeError as e:
+            raise type(e)(
+                f"leanddp.DistributedDataParallel: rank {self.process_group.rank()}: "
+                "broadcasting buffers from rank 0 failed. Another rank has probably died, raised "
+                "an exception, or run a different sequence of forwards and backwards; this "
+                f"process group cannot be used for training any more. The error: {e}"
+            ) from e
+
+    def _check_parameters_unchanged(self) -> None:
+        """Raises, naming them, if trainable parameters were added, removed, replaced or
+        frozen since wrapping: their gradients would silently not be reduced."""
+        current = self._named_trainable
+        if len(current) == len(self._params) and all(
+            p is q for (_, p), q in zip(current, self._params, strict=True)
+        ):
+            return
+        ours = {id(p) for p in self._params}
+        now = {id(p) for _, p in current}
+        added = [name for name, p in current if id(p) not in ours]
+        gone = [n for n, p in zip(self._param_names, self._params, strict=True) if id(p) not in now]
+        what = []
+        if added:
+            what.append(f"now trains {', '.join(added)} (added or unfrozen)")
+        if gone:
+            what.append(f"no longer trains {', '.join(gone)} (removed, replaced or frozen)")
+        raise RuntimeError(
+            "leanddp.DistributedDataParallel: the wrapped module "
+            f"{' and '.join(what) or 'trains its parameters in another order'} since it was "
+            "wrapped; their gradients would not be reduced as on the other ranks. Change "
+            "parameters (or requires_grad) before wrapping the module, then wrap it again."
+        )
 
     def _warn_replaced_grads(self, names: list[str]) -> None:
         if names and not self._warned_replaced_grads:

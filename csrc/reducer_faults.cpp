@@ -1,0 +1,138 @@
+// The failure paths of the Reducer (see reducer.h and docs/reliability.md): winding up a
+// backward that raised, rethrowing failed collectives with what they were reducing, and the NaN
+// check of check_for_nan_in_grad.
+#include "reducer.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <sstream>
+
+namespace leanddp {
+
+bool Reducer::abandon_iteration(bool step_launched) {
+  bool ok = true;
+  if (step_launched && steps_in_hooks()) {
+    try {
+      step_reduced_buckets(/*wait=*/true, options_.static_graph ? &static_used_ : nullptr);
+    } catch (...) {  // reported below (ok = false); the other reductions are still waited for
+      ok = false;
+    }
+  }
+  for (size_t b = 0; b < works_.size(); ++b) {
+    if (!works_[b] || collected_[b]) continue;
+    try {
+      works_[b]->wait();
+    } catch (...) {
+      ok = false;
+    }
+  }
+  if (local_used_work_) {
+    try {
+      local_used_work_->wait();
+    } catch (...) {
+      ok = false;
+    }
+  }
+  if (comm_hook_) comm_hook_->reset();
+  if (options_.step_in_backward) {
+    for (size_t b = 0; b < buckets_.size(); ++b) release(b);  // this step's gradients are dropped
+  }
+  if (offload_) offload_->end_iteration(/*completed=*/false);
+  reset_iteration_state();
+  std::fill(local_used_.begin(), local_used_.end(), 0);
+  return ok;
+}
+
+void Reducer::recover_unfinished() {
+  if (!armed_) return;
+  const bool started = callback_queued_;  // a hook fired: the backward ran part of the way
+  const bool ok = abandon_iteration(/*step_launched=*/started);
+  if (offload_) offload_->wait(/*host_too=*/false);  // its host steps land before this forward
+  TORCH_CHECK(ok, "leanddp.DistributedDataParallel: rank ", process_group_->getRank(),
+              ": the last backward raised part-way and its gradient reductions failed too; "
+              "the process group cannot be used for training any more (another rank has "
+              "probably died or raised).");
+}
+
+bool Reducer::steps_in_hooks() const {
+  return options_.step_in_backward && !tracks_unused() &&
+         !(options_.nan_check == NanCheck::kStrict && !offload_);
+}
+
+void Reducer::rethrow_collective_error(const std::string& what) const {
+  std::ostringstream context;
+  context << "leanddp.DistributedDataParallel: rank " << process_group_->getRank() << ": " << what
+          << " failed. Another rank has probably died, raised an exception, or run a different "
+             "sequence of forwards and backwards (every rank must run the same ones); this "
+             "process group cannot be used for training any more. The error: ";
+  try {
+    throw;
+  } catch (const c10::DistBackendError& e) {
+    C10_THROW_ERROR(DistBackendError, context.str() + e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, context.str(), e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, context.str(), e.what());
+  }
+}
+
+void Reducer::check_finite(const std::vector<size_t>& indices) {
+  std::vector<size_t> unchecked;
+  for (size_t b : indices) {
+    if (collected_[b] != kChecked) unchecked.push_back(b);
+  }
+  if (nan_bucket_ >= 0 || unchecked.empty()) return;
+  std::vector<at::Tensor> flags;
+  for (size_t b : unchecked) flags.push_back(at::isfinite(buckets_[b].flat).all());
+  const at::Tensor finite = at::stack(flags).cpu();
+  const bool* is_finite = finite.data_ptr<bool>();
+  for (size_t k = 0; k < unchecked.size(); ++k) {
+    if (is_finite[k]) {
+      collected_[unchecked[k]] = kChecked;
+      continue;
+    }
+    const Bucket& bucket = buckets_[unchecked[k]];
+    nan_bucket_ = static_cast<int64_t>(unchecked[k]);
+    for (size_t s = 0; s < bucket.params.size(); ++s) {
+      if (!at::isfinite(bucket.views[s]).all().item<bool>())
+        nan_params_.push_back(bucket.params[s]);
+    }
+    return;
+  }
+}
+
+void Reducer::raise_nonfinite(const std::vector<int32_t>& used) const {
+  std::ostringstream msg;
+  msg << "leanddp.DistributedDataParallel: check_for_nan_in_grad: the reduced gradient of "
+      << join_names(names_, nan_params_) << " holds NaN or infinity (bucket " << nan_bucket_
+      << "; the reduction is the same on every rank, so every rank raises this error).";
+  if (!options_.step_in_backward) {
+    msg << " No weight was changed (optimizer.step() has not run); the gradients hold the "
+           "reduced values.";
+  } else {
+    // Buckets are stepped in order, each checked first: those before the bad one were stepped,
+    // unless the steps wait for the end of backward (offload_to_cpu holds them; strict defers).
+    std::vector<int64_t> stepped;
+    if (!offload_ && options_.nan_check != NanCheck::kStrict) {
+      for (int64_t b = 0; b < nan_bucket_; ++b) {
+        for (int64_t p : buckets_[static_cast<size_t>(b)].params) {
+          if (used[static_cast<size_t>(p)]) stepped.push_back(p);
+        }
+      }
+    }
+    if (stepped.empty()) {
+      msg << " No weight was changed: this step's gradients were dropped.";
+    } else {
+      msg << " optimizer_in_backward had already stepped the buckets reduced before it: "
+          << stepped.size() << " parameters (" << join_names(names_, stepped)
+          << ") keep this step's update; no other parameter was stepped, and this step's other "
+             "gradients were dropped. check_for_nan_in_grad='strict' defers the steps to the "
+             "end of backward so that no weight changes, at the cost of holding every gradient "
+             "bucket until then.";
+    }
+  }
+  TORCH_CHECK(false, msg.str());
+}
+
+}  // namespace leanddp
