@@ -17,6 +17,15 @@ TORCH_CUDA_ARCH_LIST     CUDA architectures, e.g. "8.0;9.0+PTX". Default: those 
 CUDA_HOME / CUDA_PATH    CUDA toolkit root. Default: found from nvcc on PATH, else /usr/local/cuda.
 MAX_JOBS                 Parallel compile jobs (ninja). Default: torch's choice (all cores).
 LEANDDP_DEBUG=1          Compile with -O0 -g and without NDEBUG.
+LEANDDP_SANITIZE=1       AddressSanitizer + UndefinedBehaviorSanitizer build, for testing only:
+                         compiles and links the C++ with -fsanitize=address,undefined
+                         -fno-omit-frame-pointer -g -O1 (-O0 with LEANDDP_DEBUG=1), plus
+                         -fno-wrapv so that signed overflow is reported. Always CPU-only, as
+                         with LEANDDP_CPU_ONLY=1 (an error with LEANDDP_FORCE_CUDA=1). GCC or
+                         Clang. Python and torch are not instrumented, so the ASan runtime must
+                         be preloaded (LD_PRELOAD) into every process that imports the result:
+                         tests/scripts/sanitize.sh builds it in a copy of the tree and runs the
+                         tests that way.
 
 By default the CUDA kernels are built whenever the installed torch has CUDA
 (``torch.version.cuda``) and a CUDA toolkit with nvcc is found; no GPU is needed.
@@ -67,10 +76,11 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 
 def _want_cuda() -> bool:
     force = _flag("LEANDDP_FORCE_CUDA") or _flag("FORCE_CUDA")
-    if _flag("LEANDDP_CPU_ONLY"):
-        if force:
-            raise RuntimeError("LEANDDP_CPU_ONLY and LEANDDP_FORCE_CUDA are both set; pick one")
-        return False
+    for cpu_only in ("LEANDDP_CPU_ONLY", "LEANDDP_SANITIZE"):
+        if _flag(cpu_only):
+            if force:
+                raise RuntimeError(f"{cpu_only} and LEANDDP_FORCE_CUDA are both set; pick one")
+            return False
     available = torch.version.cuda is not None and _cuda_home is not None
     if force and not available:
         raise RuntimeError(
@@ -86,8 +96,13 @@ def _extension():
     debug = _flag("LEANDDP_DEBUG")
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
     opt = ["-O0", "-g"] if debug else ["-O3"]  # C++ standard: torch's choice (C++20 from 2.14)
-    cxx = [*opt, "-fno-math-errno", "-ffp-contract=off", "-Wall", "-Wno-unused-function"]
     link = []
+    if _flag("LEANDDP_SANITIZE"):
+        sanitize = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+        # -fno-wrapv undoes the -fwrapv in Python's CFLAGS, so UBSan reports signed overflow.
+        opt = [*sanitize, "-fno-wrapv", "-g", "-O0" if debug else "-O1"]
+        link += sanitize
+    cxx = [*opt, "-fno-math-errno", "-ffp-contract=off", "-Wall", "-Wno-unused-function"]
     if platform.system() == "Linux":
         # at::parallel_for is OpenMP inlined into our code: without -fopenmp it silently runs on
         # one thread. The soname matches the libgomp torch ships, so one OpenMP runtime is used.
