@@ -28,7 +28,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, seed: int, fn: Callable, args: tuple) -> None:
+def init_rank(rank: int, world_size: int, port: int, timeout: datetime.timedelta) -> None:
+    """One thread, and the default gloo group of ``world_size`` ranks on 127.0.0.1:``port``."""
     os.environ["LEANDDP_TEST_RANK"] = str(rank)
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -36,8 +37,12 @@ def _entry(rank: int, world_size: int, port: int, seed: int, fn: Callable, args:
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
-        timeout=TIMEOUT,
+        timeout=timeout,
     )
+
+
+def _entry(rank: int, world_size: int, port: int, seed: int, fn: Callable, args: tuple) -> None:
+    init_rank(rank, world_size, port, TIMEOUT)
     try:
         torch.manual_seed(seed + 1000 * rank)
         fn(rank, world_size, *args)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from dist_harness import _free_port
+from dist_harness import _free_port, init_rank
 
 #: Collectives of group() fail after this long (a rank that raised and stays alive).
 PG_TIMEOUT = datetime.timedelta(seconds=2)
@@ -48,15 +48,8 @@ class Outcome:
 
 def _entry(rank: int, world_size: int, port: int, results: Any, fn: Callable, args: tuple) -> None:
     global _group
-    torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=STARTUP_TIMEOUT,
-        )
+        init_rank(rank, world_size, port, STARTUP_TIMEOUT)
         _group = dist.new_group(timeout=PG_TIMEOUT)
         torch.manual_seed(1234 + rank)
         results.put(Outcome(rank, value=fn(rank, world_size, *args)))

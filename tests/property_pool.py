@@ -33,22 +33,14 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> N
     reused by every example), then runs the examples it receives until it receives None."""
     import warnings
 
-    import torch
     import torch.distributed as dist
 
-    os.environ["LEANDDP_TEST_RANK"] = str(rank)
     warnings.filterwarnings("ignore")  # torch's DDP warns about find_unused_parameters etc.
-    torch.set_num_threads(1)
     try:
+        from dist_harness import init_rank
         from property_models import run_example
 
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=GLOO_TIMEOUT,
-        )
+        init_rank(rank, world_size, port, GLOO_TIMEOUT)
         groups = (dist.new_group(timeout=GLOO_TIMEOUT), dist.new_group(timeout=GLOO_TIMEOUT))
     except BaseException:
         item = inbox.get(timeout=EXAMPLE_TIMEOUT)
