@@ -56,13 +56,17 @@ HostOffload::HostOffload(std::vector<at::Tensor> params, std::unique_ptr<FusedOp
 HostOffload::~HostOffload() { shutdown(); }
 
 void HostOffload::shutdown() {
+  const bool on_worker = worker_.get_id() == std::this_thread::get_id();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    // The wrapper may be collected right after a backward (a framework's teardown): its queued
+    // host steps still land in the parameters.
+    if (!on_worker) cv_.wait(lock, [&] { return stop_ || (queue_.empty() && !busy_); });
     stop_ = true;
     queue_.clear();
   }
   cv_.notify_all();
-  if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
+  if (worker_.joinable() && !on_worker) worker_.join();
 }
 
 void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<char>& mask) {

@@ -69,7 +69,8 @@ class HostOffload {
   // on_host). Starts the worker thread.
   HostOffload(std::vector<at::Tensor> params, std::unique_ptr<FusedOptimizer> optimizer,
               OffloadOptions options);
-  // Stops the worker: a job running finishes, queued ones are dropped. Never blocks otherwise.
+  // Stops the worker after the jobs already queued (the updates of a finished backward: dropping
+  // them would lose a step), then joins it. Buckets held for an unfinished iteration are dropped.
   ~HostOffload();
   HostOffload(const HostOffload&) = delete;
   HostOffload& operator=(const HostOffload&) = delete;

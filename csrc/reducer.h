@@ -129,7 +129,8 @@ class Reducer {
   // last backward (offload_to_cpu; else returns at once) and rethrows an error met there.
   // `host_too`: the host waits for the copies back as well (not only the current stream).
   void wait_for_offload(bool host_too);
-  // Stops the offload worker (the process is exiting); later host steps are dropped.
+  // Stops the offload worker once the host steps already queued are done (the wrapper is
+  // collected, or the process is exiting); later host steps are dropped.
   void shutdown_offload();
   OffloadStats offload_stats() const;
   // Sets a low-precision parameter's float32 master weight (offload_to_cpu checkpoints).

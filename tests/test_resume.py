@@ -5,12 +5,25 @@ and a backward that raises part-way leaves every rank with the same weights (doc
 
 from __future__ import annotations
 
+import copy
+import gc
 import io
 
 import pytest
 import torch
 from dist_harness import run_ranks
-from fault_models import Poison, Tower, Trainer, assert_close, assert_ranks_agree, batches
+from fault_models import (
+    ADAMW,
+    Poison,
+    Tower,
+    Trainer,
+    assert_close,
+    assert_ranks_agree,
+    batches,
+)
+from torch import nn
+
+import leanddp
 
 STEPS, ACCUM = 4, 3
 
@@ -130,3 +143,29 @@ def _raised_part_way(rank: int, world_size: int, config: str) -> None:
 @pytest.mark.parametrize("config", ["in_backward", "offload"])
 def test_backward_raising_part_way_leaves_ranks_in_agreement(config: str) -> None:
     run_ranks(2, _raised_part_way, config)
+
+
+def _dropped_right_after_backward(rank: int, world_size: int) -> None:
+    """A framework may drop the wrapper right after the last backward (Lightning's teardown):
+    the host steps still queued then must land in the parameters, not be discarded."""
+    torch.manual_seed(3)
+    big = nn.Sequential(nn.Linear(2048, 2048), nn.Tanh(), nn.Linear(2048, 2048))
+    x = torch.randn(16, 2048)
+    modules = [copy.deepcopy(big), copy.deepcopy(big)]
+    wrappers = [
+        leanddp.DistributedDataParallel(
+            m, optimizer_in_backward=ADAMW, offload_to_cpu=True, bucket_cap_mb=0.5
+        )
+        for m in modules
+    ]
+    wrappers[1](x).square().mean().backward()
+    wrappers[1].synchronize()
+    wrappers[0](x).square().mean().backward()
+    wrappers.pop(0)  # the only reference: collected now, while its worker is still stepping
+    gc.collect()
+    for a, b in zip(modules[0].parameters(), modules[1].parameters(), strict=True):
+        assert torch.equal(a, b), "a host step queued when the wrapper was dropped was lost"
+
+
+def test_wrapper_dropped_right_after_backward_keeps_the_step() -> None:
+    run_ranks(2, _dropped_right_after_backward)
