@@ -10,7 +10,9 @@
 # ones) into $LEANDDP_SANITIZE_DIR/src (default /tmp/leanddp-sanitize-$USER/src), builds the
 # sanitized leanddp._C there in place, and runs that snapshot's tests with PYTHONPATH pointing at
 # it, so python/leanddp/_C*.so of the checkout is neither rebuilt nor imported. Object files are
-# kept in $LEANDDP_SANITIZE_DIR/build-temp: a second run only recompiles what changed.
+# kept in $LEANDDP_SANITIZE_DIR/build-temp: a second run only recompiles what changed. The
+# snapshot takes the working tree as it is, with anyone's unsaved-to-git edits: if the build
+# fails on a half-finished edit, run again once it is finished.
 #
 # Environment:
 #   PYTHON                Python with torch, pytest (and numpy) installed. Default: python3.
@@ -25,11 +27,13 @@
 #   them: torch.multiprocessing ranks, torchrun agents and workers, `python -m leanddp.bench`,
 #   `python -c` subprocesses (and non-Python children such as the compiler torch.compile
 #   runs, which is harmless: they only get ASan's libc interceptors).
-# - detect_leaks=0: LeakSanitizer reports every allocation the interpreter and torch still hold
-#   at exit (interned objects, static caches, pymalloc arenas LSan cannot scan), thousands of
-#   reports per process, none of them leanddp's; leanddp's own heap memory is owned by torch
-#   tensors and std containers (RAII), which is what ASan's use-after-free/overflow checks
-#   exercise. Leaks are not checked by this script.
+# - detect_leaks=0: LeakSanitizer reports what the interpreter and torch still hold at exit
+#   (interned objects, static caches, memory referenced only from pymalloc arenas LSan does not
+#   scan): `import torch, leanddp` plus one op gives 3718 leak reports, 10.9 MB in 45125
+#   allocations, none with a frame in leanddp's _C, and one such flood per process would bury
+#   any real report. leanddp's heap memory is owned by torch tensors and std containers (RAII);
+#   ASan still checks every access to it (overflow, use-after-free, double free). Leaks are not
+#   checked by this script.
 # - A finding stops the process that hit it (halt_on_error=1) with SIGABRT (abort_on_error=1):
 #   the test fails, pytest's faulthandler prints which test was running, and a rank that
 #   aborts makes torch.multiprocessing / torchrun fail the test that launched it.
@@ -39,7 +43,7 @@
 #   after pytest, any report file fails the script and is printed. ASan honours log_path. With
 #   GCC's separate libubsan next to libasan, UBSAN_OPTIONS=log_path is not honoured (libubsan's
 #   call to __sanitizer_set_report_path binds to libasan's copy, so it would even redirect
-#   ASan's reports; hence the same log_path in both options), so a sitecustomize.py put first
+#   ASan's reports: hence the same log_path in both options), so a sitecustomize.py put first
 #   on PYTHONPATH sets libubsan's own report path at interpreter start-up. A Python child
 #   started without that PYTHONPATH (or with -S/-I) still aborts on a UBSan finding, but
 #   reports on its stderr only.
@@ -63,11 +67,15 @@ LOGS=$WORK/logs
 PLUGIN_DIR=$WORK/pytest-plugin
 START=$SECONDS
 
-# Tests deselected, with why: none so far. Each entry: "node id|reason". Everything else runs,
+# Tests deselected, each "node id|reason", printed when the suite runs. Everything else runs,
 # including test_extension.py and test_cpu_isa.py (their subprocesses import the snapshot's
 # sanitized extension, or a deliberately broken copy of the Python files); the Lightning and
 # Accelerate tests skip themselves where those packages are not installed.
-DESELECT=()
+DESELECT=(
+  # measured: RSS grew 27 MiB from step 10 to 30 under ASan (8.6 MiB even with
+  # quarantine_size_mb=0), while every parity check of the run passed with no sanitizer report
+  "tests/test_long_run.py::test_every_configuration_keeps_parity_and_memory|fails only its resident-memory check (RSS may grow at most 8 MiB from step 10 to 30): under ASan, RSS grows by design (quarantine of freed memory, redzones, shadow pages, an allocator that keeps what it frees)"
+)
 
 # ---------------------------------------------------------------------------------------------
 say "checking the toolchain"
@@ -98,7 +106,7 @@ mkdir -p "$SRC"
 # tracked + untracked-but-not-ignored files that exist; cp -p keeps mtimes, so ninja recompiles
 # only the sources that changed since the last run.
 (cd "$REPO" && git ls-files -z --cached --others --exclude-standard) |
-  (cd "$REPO" && while IFS= read -r -d '' f; do [[ -f $f ]] && printf '%s\0' "$f"; done) |
+  (cd "$REPO" && while IFS= read -r -d '' f; do if [[ -f $f ]]; then printf '%s\0' "$f"; fi; done) |
   (cd "$REPO" && xargs -0 -r cp -p --parents -t "$SRC")
 [[ -f $SRC/setup.py && -d $SRC/tests ]] || die "snapshot incomplete: $SRC"
 
