@@ -5,9 +5,12 @@
 #include "reducer.h"
 
 #include <ATen/Parallel.h>
+#include <pybind11/functional.h>
 #include <torch/extension.h>
 #include <torch/version.h>
 
+#include <functional>
+#include <map>
 #include <mutex>
 #include <set>
 
@@ -37,7 +40,9 @@ class PyCommHook final : public leanddp::CommHook {
     py::gil_scoped_acquire gil;
     TORCH_CHECK(index < futures_.size() && futures_[index],
                 "leanddp: no communication hook result for bucket ", index);
-    py::object value = futures_[index].attr("wait")();
+    // Dropped once read: the future holds the reduced tensor, which the Reducer releases.
+    py::object future = std::move(futures_[index]);
+    py::object value = future.attr("wait")();
     if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
       value = value[py::int_(0)];
     }
@@ -99,6 +104,38 @@ std::vector<leanddp::OptimHyper> to_hypers(const std::vector<py::dict>& groups) 
   std::vector<leanddp::OptimHyper> out;
   for (const auto& g : groups) out.push_back(to_hyper(g));
   return out;
+}
+
+// The step window's decision unit (step_window.h), for the tests that drive it directly.
+void bind_step_window(py::module_& m) {
+  using leanddp::StepWindow;
+  py::class_<StepWindow>(m, "_StepWindow")
+      .def(py::init<size_t, bool>(), py::arg("capacity"), py::arg("device_ordered"))
+      .def("reset", &StepWindow::reset)
+      .def(
+          "next",
+          [](const StepWindow& self, const std::string& phase,
+             const std::function<bool(size_t)>& ready) -> py::object {
+            static const std::map<std::string, StepWindow::Phase> phases{
+                {"after_hook", StepWindow::Phase::kAfterHook},
+                {"before_launch", StepWindow::Phase::kBeforeLaunch},
+                {"end", StepWindow::Phase::kEnd}};
+            const auto it = phases.find(phase);
+            TORCH_CHECK(it != phases.end(), "_StepWindow.next: unknown phase ", phase);
+            const auto decision = self.next(it->second, ready);
+            if (!decision) return py::none();
+            static const char* names[] = {"step", "step_waiting", "finish"};
+            return py::make_tuple(names[static_cast<int>(decision->action)], decision->bucket);
+          },
+          py::arg("phase"), py::arg("ready"))
+      .def("launched_one", &StepWindow::launched_one)
+      .def("stepped_one", &StepWindow::stepped_one)
+      .def("finished_one", &StepWindow::finished_one)
+      .def_property_readonly("launched", &StepWindow::launched)
+      .def_property_readonly("stepped", &StepWindow::stepped)
+      .def_property_readonly("finished", &StepWindow::finished)
+      .def_property_readonly("in_flight", &StepWindow::in_flight);
+  m.attr("BUCKETS_IN_FLIGHT") = leanddp::kBucketsInFlight;
 }
 
 void bind_reducer(py::module_& m) {
@@ -194,7 +231,7 @@ void bind_reducer(py::module_& m) {
           py::arg("kind"), py::arg("params"), py::arg("group_of"), py::arg("groups"),
           py::arg("step_device"), py::arg("fallback"), py::arg("offload") = false,
           py::arg("offload_threads") = 1, py::arg("max_grad_norm") = py::none())
-      .def("wait_for_offload", &Reducer::wait_for_offload, py::arg("host_too") = false,
+      .def("wait_for_steps", &Reducer::wait_for_steps, py::arg("host_too") = false,
            py::call_guard<py::gil_scoped_release>())
       .def("shutdown_offload", &Reducer::shutdown_offload, py::call_guard<py::gil_scoped_release>())
       .def("offload_stats", &Reducer::offload_stats, py::call_guard<py::gil_scoped_release>())
@@ -215,6 +252,7 @@ void bind_reducer(py::module_& m) {
       .def("optimizer_generation", &Reducer::optimizer_generation,
            py::call_guard<py::gil_scoped_release>())
       .def("memory_stats", &Reducer::memory_stats, py::call_guard<py::gil_scoped_release>())
+      .def("events_created", &Reducer::events_created, py::call_guard<py::gil_scoped_release>())
       .def("bucket_indices", &Reducer::bucket_indices, py::call_guard<py::gil_scoped_release>())
       .def("bucket_bytes", &Reducer::bucket_bytes, py::call_guard<py::gil_scoped_release>())
       .def("has_rebuilt_buckets", &Reducer::has_rebuilt_buckets,
@@ -227,6 +265,7 @@ void bind_reducer(py::module_& m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "leanddp's C++/CUDA extension";
   bind_reducer(m);
+  bind_step_window(m);
   m.def(
       "build_info",
       [] {

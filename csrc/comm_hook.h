@@ -21,10 +21,14 @@ class CommHook {
   // back into the Reducer.
   virtual void launch(size_t index, const at::Tensor& buffer, bool is_last,
                       const std::vector<int64_t>& params) = 0;
-  // Blocks until bucket `index`'s reduction is done and returns the reduced tensor (same numel
-  // as the buffer; may be the buffer itself). Called from the end-of-backward callback.
+  // Returns bucket `index`'s reduced tensor (same numel as the buffer; may be the buffer itself)
+  // and forgets it. Called once per bucket per backward, from a hook or the end-of-backward
+  // callback. On a GPU it is called with the stream that will read the result current (a side
+  // stream with optimizer_in_backward): a CUDA future's wait makes that stream wait for the
+  // reduction and blocks the host only until the future is complete (at once for NCCL).
   virtual at::Tensor wait(size_t index) = 0;
-  // Whether bucket `index`'s reduction has finished (wait() would not block).
+  // Whether bucket `index`'s future is complete on the host (wait() would not block the host;
+  // on a GPU its reduction may still be running, ordered by the future's events).
   virtual bool done(size_t index) = 0;
   // Drops in-flight results without waiting for them to be consumed (after an error).
   virtual void reset() = 0;

@@ -1,10 +1,12 @@
 #include "offload.h"
 
+#include "op_calls.h"
+
 #include <ATen/Parallel.h>
 #include <c10/core/StreamGuard.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <chrono>
@@ -40,16 +42,18 @@ HostOffload::HostOffload(std::vector<at::Tensor> params, std::unique_ptr<FusedOp
   const c10::Device device = params_[0].device();
   TORCH_CHECK(device.is_cpu() || device.is_cuda(),
               "offload_to_cpu supports parameters on the CPU or a CUDA GPU, not ", device);
-  on_gpu_ = device.is_cuda();
+  on_gpu_ = runs_apart(device);
   if (on_gpu_) {
-    c10::impl::VirtualGuardImpl impl(device.type());
-    copy_stream_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+    d2h_stream_ = pool_stream(device);
+    h2d_stream_ = pool_stream(device);
+    TORCH_INTERNAL_ASSERT(*d2h_stream_ != *h2d_stream_, "offload_to_cpu: one stream for both ways");
+    events_ = std::make_unique<EventPool>(device.type());
   }
   host_options_ = at::TensorOptions().device(at::kCPU).pinned_memory(on_gpu_);
   const size_t n = params_.size();
   masters_.resize(n);
-  copies_.resize(n);
   versions_.assign(n, 0);
+  location_.assign(n, {SIZE_MAX, 0});
   worker_ = std::thread([this] { run_worker(); });
 }
 
@@ -69,52 +73,53 @@ void HostOffload::shutdown() {
   if (worker_.joinable() && !on_worker) worker_.join();
 }
 
+void HostOffload::set_layout(const std::vector<Bucket>& buckets) {
+  layout_.clear();
+  for (const Bucket& bucket : buckets) {
+    Bucket plain;
+    plain.params = bucket.params;
+    plain.offsets = bucket.offsets;
+    plain.numel = bucket.numel;
+    layout_.push_back(std::move(plain));
+  }
+  std::fill(location_.begin(), location_.end(), std::make_pair(SIZE_MAX, size_t{0}));
+  for (size_t b = 0; b < layout_.size(); ++b) {
+    for (size_t s = 0; s < layout_[b].params.size(); ++s) {
+      location_[static_cast<size_t>(layout_[b].params[s])] = {b, s};
+    }
+  }
+  host_.assign(layout_.size(), HostBucket{});
+}
+
 void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<char>& mask) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_ || error_) return;  // dropped: the error surfaces at the next wait()
   }
-  if (staging_.size() <= index) staging_.resize(index + 1);
-  at::Tensor& staging = staging_[index];
-  if (!staging.defined()) {
-    staging = at::empty({bucket.numel}, host_options_.dtype(bucket.flat.scalar_type()));
+  TORCH_CHECK(index < layout_.size() && layout_[index].numel == bucket.numel,
+              "HostOffload: bucket ", index, " does not match the layout it was given");
+  at::Tensor& grads = host_[index].grads;
+  if (!grads.defined()) {
+    grads = at::empty({bucket.numel}, host_options_.dtype(bucket.flat.scalar_type()));
   }
   Job job;
   job.index = index;
-  job.layout.params = bucket.params;
-  job.layout.offsets = bucket.offsets;
-  job.layout.numel = bucket.numel;
+  job.layout = layout_[index];
   job.mask = mask;
-  job.staging = staging;
+  job.grads = grads;
+  std::optional<c10::StreamGuard> guard;
+  if (on_gpu_) guard.emplace(*d2h_stream_);
+  grads.copy_(bucket.flat, /*non_blocking=*/on_gpu_);
   // Masters of parameters someone else changed since our last write (or not made yet) are
   // read from the parameters, in the same stream order as the gradients.
-  auto copy_to_host = [&] {
-    staging.copy_(bucket.flat, /*non_blocking=*/on_gpu_);
-    for (int64_t i : bucket.params) {
-      const auto p = static_cast<size_t>(i);
-      const at::Tensor& param = params_[p];
-      if (masters_[p].defined() && param._version() == versions_[p]) continue;
-      ensure_master(p).copy_(param, /*non_blocking=*/on_gpu_);
-      versions_[p] = param._version();
-    }
-  };
-  if (on_gpu_) {
-    const c10::Device device = bucket.flat.device();
-    c10::impl::VirtualGuardImpl impl(device.type());
-    c10::Event produced(device.type());
-    produced.record(impl.getStream(device));  // the gradients are final after this point
-    produced.block(*copy_stream_);
-    {
-      c10::StreamGuard guard(*copy_stream_);
-      copy_to_host();
-    }
-    // The caller releases the bucket now; its memory is reused only after the copy.
-    impl.recordDataPtrOnStream(bucket.flat.storage().data_ptr(), *copy_stream_);
-    job.copied = std::make_shared<c10::Event>(device.type());
-    job.copied->record(*copy_stream_);
-  } else {
-    copy_to_host();
+  for (int64_t i : bucket.params) {
+    const auto p = static_cast<size_t>(i);
+    const at::Tensor& param = params_[p];
+    if (masters_[p].defined() && param._version() == versions_[p]) continue;
+    ensure_master(p).copy_(param, /*non_blocking=*/on_gpu_);
+    versions_[p] = param._version();
   }
+  if (on_gpu_) job.copied = events_->record(*d2h_stream_);
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(std::move(job));
@@ -144,12 +149,9 @@ void HostOffload::wait(bool host_too) {
     std::swap(error, error_);
   }
   if (on_gpu_) {
-    const c10::Device device = params_[0].device();
-    c10::impl::VirtualGuardImpl impl(device.type());
-    c10::Event copied(device.type());
-    copied.record(*copy_stream_);
-    copied.block(impl.getStream(device));
-    if (host_too) copied.synchronize();
+    const EventPool::Handle copied = events_->record(*h2d_stream_);
+    copied->block(current_stream(params_[0].device()));
+    if (host_too) copied->synchronize();
   }
   if (error) std::rethrow_exception(error);
 }
@@ -208,7 +210,7 @@ void HostOffload::process(Job& job) {
   if (options_.max_grad_norm) {
     // Unused parameters' slots hold zeros: the sum is over the gradients torch would clip.
     const double norm =
-        at::linalg_vector_norm(job.staging, 2, std::nullopt, false, at::kDouble).item<double>();
+        at::linalg_vector_norm(job.grads, 2, std::nullopt, false, at::kDouble).item<double>();
     sum_squares_ += norm * norm;
   }
   held_.push_back(std::move(job));
@@ -232,33 +234,70 @@ void HostOffload::finish_iteration(bool completed) {
 
 void HostOffload::step_job(const Job& job, std::optional<double> grad_scale) {
   const Bucket& layout = job.layout;
+  const at::Tensor& weights = ensure_weights(job.index);
   StepTargets targets;
   targets.grad_scale = grad_scale;
   for (size_t s = 0; s < layout.params.size(); ++s) {
     const auto p = static_cast<size_t>(layout.params[s]);
+    const at::Tensor& param = params_[p];
     targets.params.push_back(masters_[p]);
     targets.grads.push_back(
-        job.staging.narrow(0, layout.offsets[s], params_[p].numel()).view(params_[p].sizes()));
-    targets.copies.push_back(copies_[p]);
+        job.grads.narrow(0, layout.offsets[s], param.numel()).view(param.sizes()));
+    if (low_precision(p)) {  // the kernel writes the rounded weights straight into `weights`
+      targets.copies.push_back(
+          weights.narrow(0, layout.offsets[s], param.numel()).view(param.sizes()));
+    }
   }
   optimizer_->step(job.index, layout, job.mask, targets);
-  std::optional<c10::StreamGuard> guard;
-  if (on_gpu_) guard.emplace(*copy_stream_);
-  for (size_t s = 0; s < layout.params.size(); ++s) {
-    if (!job.mask[s]) continue;
-    const auto p = static_cast<size_t>(layout.params[s]);
-    at::Tensor& param = params_[p];
-    param.copy_(low_precision(p) ? copies_[p] : masters_[p], /*non_blocking=*/on_gpu_);
-    versions_[p] = param._version();
-  }
+  copy_back(job, weights);
   std::lock_guard<std::mutex> lock(mu_);
   ++stats_.buckets;
+}
+
+void HostOffload::copy_back(const Job& job, const at::Tensor& weights) {
+  const Bucket& layout = job.layout;
+  at::Tensor source = weights;
+  std::optional<c10::StreamGuard> guard;
+  if (on_gpu_) {  // one flat copy over PCIe, then one launch scatters it into the parameters
+    guard.emplace(*h2d_stream_);
+    source = at::empty({layout.numel}, params_[0].options().requires_grad(false));
+    source.copy_(weights, /*non_blocking=*/true);
+  }
+  std::vector<at::Tensor> targets;
+  bool all = true;
+  for (size_t s = 0; s < layout.params.size(); ++s) {
+    all = all && job.mask[s];
+    targets.push_back(params_[static_cast<size_t>(layout.params[s])]);
+  }
+  if (all) {
+    unflatten_from(source, targets);
+  } else {
+    for (size_t s = 0; s < targets.size(); ++s) {
+      if (!job.mask[s]) continue;  // not stepped (unused): the parameter keeps its value
+      targets[s].copy_(
+          source.narrow(0, layout.offsets[s], targets[s].numel()).view(targets[s].sizes()));
+    }
+  }
+  for (size_t s = 0; s < targets.size(); ++s) {
+    if (!job.mask[s]) continue;
+    // As an in-place op does: autograd then knows tensors it saved from the parameter are stale.
+    if (all) torch::autograd::impl::bump_version(targets[s]);
+    versions_[static_cast<size_t>(layout.params[s])] = targets[s]._version();
+  }
 }
 
 void HostOffload::relayout(const std::vector<Bucket>& old_buckets,
                            const std::vector<Bucket>& new_buckets) {
   optimizer_->relayout(old_buckets, new_buckets);
-  staging_.clear();
+  // Float32 masters are views into the old buckets' weights: copy them into the new layout.
+  const std::vector<at::Tensor> old_masters = masters_;
+  const std::vector<HostBucket> old_host = std::move(host_);
+  set_layout(new_buckets);
+  for (size_t p = 0; p < params_.size(); ++p) {
+    if (low_precision(p) || !old_masters[p].defined()) continue;
+    masters_[p] = at::Tensor();
+    ensure_master(p).copy_(old_masters[p]);
+  }
 }
 
 at::Tensor HostOffload::master(size_t p) const {
@@ -277,11 +316,26 @@ void HostOffload::load_master(size_t p, const at::Tensor& value) {
 at::Tensor& HostOffload::ensure_master(size_t p) {
   if (!masters_[p].defined()) {
     const at::Tensor& param = params_[p];
-    masters_[p] = at::empty(param.sizes(), host_options_.dtype(at::kFloat));
-    if (low_precision(p)) copies_[p] = at::empty(param.sizes(), host_options_.dtype(param.dtype()));
+    if (low_precision(p)) {
+      masters_[p] = at::empty(param.sizes(), host_options_.dtype(at::kFloat));
+    } else {
+      const auto [b, s] = location_[p];
+      TORCH_CHECK(b < layout_.size(), "HostOffload: parameter ", p, " is in no bucket");
+      masters_[p] =
+          ensure_weights(b).narrow(0, layout_[b].offsets[s], param.numel()).view(param.sizes());
+    }
     ++generation_;
   }
   return masters_[p];
+}
+
+at::Tensor& HostOffload::ensure_weights(size_t b) {
+  at::Tensor& weights = host_[b].weights;
+  if (!weights.defined()) {
+    const at::Tensor& first = params_[static_cast<size_t>(layout_[b].params.front())];
+    weights = at::empty({layout_[b].numel}, host_options_.dtype(first.scalar_type()));
+  }
+  return weights;
 }
 
 OffloadStats HostOffload::stats() const {
@@ -291,11 +345,18 @@ OffloadStats HostOffload::stats() const {
     out = stats_;
   }
   for (size_t p = 0; p < params_.size(); ++p) {
-    if (masters_[p].defined()) out.master_bytes += static_cast<int64_t>(masters_[p].nbytes());
-    if (copies_[p].defined()) out.host_buffer_bytes += static_cast<int64_t>(copies_[p].nbytes());
+    if (masters_[p].defined() && low_precision(p)) {
+      out.master_bytes += static_cast<int64_t>(masters_[p].nbytes());
+    }
   }
-  for (const at::Tensor& s : staging_) {
-    if (s.defined()) out.host_buffer_bytes += static_cast<int64_t>(s.nbytes());
+  for (size_t b = 0; b < host_.size(); ++b) {
+    const HostBucket& host = host_[b];
+    if (host.grads.defined()) out.host_buffer_bytes += static_cast<int64_t>(host.grads.nbytes());
+    if (!host.weights.defined()) continue;
+    // A float32 bucket's weights are its masters; a low-precision one's are a buffer.
+    const bool masters = !low_precision(static_cast<size_t>(layout_[b].params.front()));
+    (masters ? out.master_bytes : out.host_buffer_bytes) +=
+        static_cast<int64_t>(host.weights.nbytes());
   }
   return out;
 }

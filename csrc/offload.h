@@ -2,15 +2,23 @@
 // (pinned when the parameters are on a GPU); a worker thread steps them with the fused CPU
 // kernels and writes the updated weights back to the parameters.
 //
-// Data flow per bucket, once its reduction is complete (Reducer::step_bucket calls submit()):
-//   1. on the device's copy stream, after the work queued so far on the current (backward)
-//      stream: the averaged gradients go to the bucket's host staging buffer, and the masters
-//      of parameters changed since our last write (first step, a loaded checkpoint) are
-//      refreshed from the parameters; the device bucket may be released at once (its memory is
-//      recorded on the copy stream, so the caching allocator reuses it only after the copy);
-//   2. the worker waits for those copies (an event), steps the bucket's masters and state (for
-//      bf16/fp16 parameters the kernel upcasts the gradients and writes the low-precision copy),
-//      and copies the weights back to the parameters on the copy stream.
+// Per bucket, the host holds two flat buffers in the bucket's dtype (pinned on a GPU machine):
+// `grads`, the averaged gradients copied from the device, and `weights`, the updated weights
+// copied back. A float32 bucket's masters live in `weights` itself; a bfloat16/float16 bucket's
+// masters are float32 tensors of their own, and the step kernel writes the rounded weights into
+// `weights` in the same pass. So each way a bucket crosses PCIe in one flat copy.
+//
+// Data flow per bucket (Reducer::step_bucket calls submit()):
+//   1. on the device-to-host stream, which the caller made wait for the bucket's reduction: the
+//      averaged gradients go to `grads` in one copy, and the masters of parameters changed since
+//      our last write (first step, a loaded checkpoint) are refreshed from the parameters; an
+//      event from the pool marks the copies; the caller records the device bucket's memory on
+//      that stream and releases it at once;
+//   2. the worker waits for that bucket's event only, steps the bucket's masters and state (for
+//      bf16/fp16 parameters the kernel upcasts the gradients and writes the rounded copy), and,
+//      on the host-to-device stream, copies `weights` to the device in one piece and scatters it
+//      into the parameters with one unflatten launch. The two copy streams are separate, so PCIe
+//      carries both directions at once.
 // With max_grad_norm, the worker accumulates each bucket's squared norm as it arrives and holds
 // the steps until end_iteration(): the global norm is then known and every gradient is scaled
 // by torch.nn.utils.clip_grad_norm_'s coefficient inside the step kernel. hold_steps() holds
@@ -18,19 +26,20 @@
 // whether the iteration is completed or dropped).
 //
 // wait() is where the next forward (or anything reading parameters or state) waits: for the
-// worker to finish, then (GPU) the current stream waits for the copies back: the host step
-// overlaps the rest of backward and whatever the loop does between steps. On a CPU-only machine
-// the same pipeline runs, with synchronous copies.
+// worker to finish, then (GPU) the current stream waits for the host-to-device stream: the host
+// step overlaps the rest of backward and whatever the loop does between steps. On a CPU-only
+// machine the same pipeline runs, with synchronous copies.
 //
 // Threading: submit(), end_iteration() and the accessors run on the Reducer's threads with the
 // Reducer's lock held; the worker never takes that lock. `mu_` guards the queue and the
-// worker's results. The optimizer, masters and staging buffers are touched by the worker only
+// worker's results. The optimizer, masters and host buffers are touched by the worker only
 // while jobs are queued or running, and by the other methods only after wait() (or before the
-// first job of an iteration, for the staging buffer and masters of a submitted bucket).
+// first job of an iteration, for the buffers and masters of a submitted bucket).
 #pragma once
 
 #include "bucket.h"
 #include "fused_optim.h"
+#include "streams.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
@@ -60,7 +69,7 @@ struct OffloadStats {
   double wait_seconds = 0;        // time callers of wait() were blocked
   double grad_norm = -1;          // the last iteration's total gradient norm (-1: no clipping)
   int64_t master_bytes = 0;       // float32 master weights on the host
-  int64_t host_buffer_bytes = 0;  // host staging buffers (gradients) and low-precision copies
+  int64_t host_buffer_bytes = 0;  // host gradient buffers, and low-precision weight buffers
 };
 
 class HostOffload {
@@ -75,8 +84,14 @@ class HostOffload {
   HostOffload(const HostOffload&) = delete;
   HostOffload& operator=(const HostOffload&) = delete;
 
+  // The buckets' layout (params, offsets, numel; storage unused): once before the first submit.
+  void set_layout(const std::vector<Bucket>& buckets);
+  // GPU: the stream the device-to-host copies run on (the caller orders it after a bucket's
+  // reduction before submit(), and records the bucket's memory on it before releasing it).
+  c10::Stream d2h_stream() const { return *d2h_stream_; }
   // Bucket `index` holds its averaged gradients (`bucket.flat`): queues its host step for the
-  // members whose `mask[slot]` is set. After it returns the device bucket may be released.
+  // members whose `mask[slot]` is set. On a GPU the d2h stream must be ordered after the
+  // reduction of the bucket (see d2h_stream()); after it returns the bucket may be released.
   void submit(size_t index, const Bucket& bucket, const std::vector<char>& mask);
   // Every bucket of this synchronized backward was submitted (clipping may now step them); or,
   // if not `completed`, the backward failed: buckets held for clipping are dropped unstepped.
@@ -85,7 +100,8 @@ class HostOffload {
   // back (and the host too, if `host_too`: before the host buffers are read or written).
   // Rethrows (once) an error the worker met; its later jobs were dropped.
   void wait(bool host_too);
-  // The buckets were rebuilt (worker idle): state moves to the new layout, staging is dropped.
+  // The buckets were rebuilt (worker idle): state and float32 masters move to the new layout,
+  // the other host buffers are dropped.
   void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);
   // Stops the worker for good (see the destructor); later submits are dropped.
   void shutdown();
@@ -99,6 +115,8 @@ class HostOffload {
   // Sets parameter p's master (from a checkpoint); it is kept until p is changed by others.
   void load_master(size_t p, const at::Tensor& value);
   int64_t generation() const { return generation_; }
+  // GPU: CUDA events created so far (pooled).
+  int64_t events_created() const { return events_ ? events_->created() : 0; }
   OffloadStats stats() const;
 
  private:
@@ -106,37 +124,51 @@ class HostOffload {
     size_t index = 0;
     Bucket layout;  // params/offsets/numel (no storage)
     std::vector<char> mask;
-    at::Tensor staging;                  // the gradients, on the host
-    std::shared_ptr<c10::Event> copied;  // GPU: the copies to the host are done
-    bool end = false;                    // marks the end of an iteration
-    bool completed = true;               // (end) false: the iteration was abandoned
+    at::Tensor grads;          // the gradients, on the host
+    EventPool::Handle copied;  // GPU: the copies to the host are done
+    bool end = false;          // marks the end of an iteration
+    bool completed = true;     // (end) false: the iteration was abandoned
+  };
+  // One bucket's host buffers (see the top of this file), allocated at its first submit.
+  struct HostBucket {
+    at::Tensor grads;
+    at::Tensor weights;
   };
 
   void run_worker();
   void process(Job& job);
   void step_job(const Job& job, std::optional<double> grad_scale);
+  // The updated `weights` of the job's bucket into the parameters of the slots it stepped.
+  void copy_back(const Job& job, const at::Tensor& weights);
   void finish_iteration(bool completed);
   bool low_precision(size_t p) const { return params_[p].scalar_type() != at::kFloat; }
   bool holds() const { return hold_ || options_.max_grad_norm.has_value(); }
-  // Parameter p's master (and, low-precision, its copy), allocated at first use.
+  // Parameter p's master, allocated at first use (float32: a view into its bucket's weights).
   at::Tensor& ensure_master(size_t p);
+  // Bucket b's `weights` buffer, allocated at first use.
+  at::Tensor& ensure_weights(size_t b);
 
   std::vector<at::Tensor> params_;
   std::unique_ptr<FusedOptimizer> optimizer_;
   OffloadOptions options_;
   bool on_gpu_ = false;
-  bool hold_ = false;                       // steps wait for end_iteration() (hold_steps())
-  std::optional<c10::Stream> copy_stream_;  // GPU only
-  at::TensorOptions host_options_;          // host memory, pinned on a GPU machine
+  bool hold_ = false;  // steps wait for end_iteration() (hold_steps())
+  // GPU only: one stream each way, and the events that mark the copies to the host.
+  std::optional<c10::Stream> d2h_stream_;
+  std::optional<c10::Stream> h2d_stream_;
+  std::unique_ptr<EventPool> events_;
+  at::TensorOptions host_options_;  // host memory, pinned on a GPU machine
 
-  // Per parameter: the float32 master (undefined until its first step), the low-precision copy
-  // the step writes (bf16/fp16 parameters), and the parameter's version counter after our
-  // last write (a different version means someone else changed it: refresh the master).
+  // The buckets' layout (set_layout, relayout) and, per parameter, its (bucket, slot).
+  std::vector<Bucket> layout_;
+  std::vector<std::pair<size_t, size_t>> location_;
+  std::vector<HostBucket> host_;  // per bucket (kept across iterations)
+  // Per parameter: the float32 master (undefined until its first step), and the parameter's
+  // version counter after our last write (a different version means someone else changed it:
+  // refresh the master).
   std::vector<at::Tensor> masters_;
-  std::vector<at::Tensor> copies_;
   std::vector<uint32_t> versions_;
-  std::vector<at::Tensor> staging_;  // per bucket: host gradients (kept across iterations)
-  int64_t generation_ = 0;           // changes when a master appears or is loaded
+  int64_t generation_ = 0;  // changes when a master appears or is loaded
 
   // The worker's queue and results, guarded by mu_.
   mutable std::mutex mu_;

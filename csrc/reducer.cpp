@@ -1,6 +1,7 @@
 #include "reducer.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
+#include "op_calls.h"
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -14,21 +15,6 @@ namespace leanddp {
 namespace {
 
 using torch::autograd::variable_list;
-
-// The custom ops, called through the dispatcher so CPU and CUDA buckets take the same path.
-void flatten_into(at::TensorList tensors, const at::Tensor& out, std::optional<double> scale) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("leanddp::flatten_into", "")
-                       .typed<void(at::TensorList, const at::Tensor&, std::optional<double>)>();
-  op.call(tensors, out, scale);
-}
-
-void unflatten_from(const at::Tensor& flat, at::TensorList tensors) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("leanddp::unflatten_from", "")
-                       .typed<void(const at::Tensor&, at::TensorList, std::optional<double>)>();
-  op.call(flat, tensors, std::nullopt);
-}
 
 // True when `grad` is exactly `view` (same storage, offset, sizes and strides).
 bool is_view(const at::Tensor& grad, const at::Tensor& view) {
@@ -56,11 +42,18 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     : params_(std::move(params)),
       names_(std::move(names)),
       process_group_(std::move(process_group)),
-      options_(std::move(options)) {
+      options_(std::move(options)),
+      window_(options_.buckets_in_flight,
+              !params_.empty() && runs_apart(params_.front().device())) {
   TORCH_CHECK(!params_.empty(), "Reducer: no parameters");
   TORCH_CHECK(names_.size() == params_.size(), "Reducer: one name per parameter");
   TORCH_CHECK(process_group_, "Reducer: no process group");
   div_factor_ = static_cast<double>(process_group_->getSize());
+  if (window_.device_ordered()) {
+    const c10::Device device = params_.front().device();
+    events_ = std::make_unique<EventPool>(device.type());
+    if (options_.step_in_backward) step_stream_ = pool_stream(device);
+  }
   const size_t n = params_.size();
   grad_was_view_.assign(n, 0);
   std::vector<int64_t> order(n);
@@ -107,7 +100,7 @@ void Reducer::ensure_allocated(size_t bucket_index) {
   if (bucket.allocated()) return;
   allocate_bucket(bucket, params_);
   allocated_bytes_ += static_cast<int64_t>(bucket.flat.nbytes());
-  peak_bucket_bytes_ = std::max(peak_bucket_bytes_, allocated_bytes_);
+  peak_bucket_bytes_ = std::max(peak_bucket_bytes_, allocated_bytes_ + unfinished_bytes_);
 }
 
 void Reducer::release(size_t bucket_index) {
@@ -136,11 +129,16 @@ void Reducer::reset_iteration_state() {
   unused_marked_ = false;
   recording_order_ = false;
   next_bucket_ = 0;
-  next_step_ = 0;
+  window_.reset();
   ready_.assign(n, 0);
   sources_.assign(n, at::Tensor());
   unused_.clear();
   works_.assign(buckets_.size(), {});
+  futures_.assign(buckets_.size(), {});
+  launched_events_.clear();
+  launched_events_.resize(buckets_.size());
+  finish_events_.clear();  // the caller's stream was ordered after them, or will be at a forward
+  unfinished_bytes_ = 0;
   collected_.assign(buckets_.size(), 0);
   nan_bucket_ = -1;
   nan_params_.clear();
@@ -259,9 +257,15 @@ void Reducer::mark_ready(size_t index) {
     sources_[index] = grad;  // copied (and scaled) into the slice at launch
   }
   --bucket.pending;
+  // Step what is reduced already, unless this iteration is still learning which parameters
+  // are used (then everything is stepped at the end of backward).
+  const bool in_hooks = steps_in_hooks();
+  const std::vector<int32_t>* used = options_.static_graph ? &static_used_ : nullptr;
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
+    if (in_hooks) advance_steps(StepWindow::Phase::kBeforeLaunch, used);
     launch(next_bucket_++);
-    max_in_flight_ = std::max(max_in_flight_, static_cast<int64_t>(next_bucket_ - next_step_));
+    window_.launched_one();
+    max_in_flight_ = std::max(max_in_flight_, static_cast<int64_t>(window_.in_flight()));
   }
   if (next_bucket_ == buckets_.size() && tracks_unused() && !local_used_work_) {
     const at::Tensor used_cpu =
@@ -274,11 +278,7 @@ void Reducer::mark_ready(size_t index) {
       rethrow_collective_error("the reduction of which parameters are used");
     }
   }
-  // Step what is reduced already, unless this iteration is still learning which parameters
-  // are used (then everything is stepped at the end of backward).
-  if (steps_in_hooks()) {
-    step_reduced_buckets(/*wait=*/false, options_.static_graph ? &static_used_ : nullptr);
-  }
+  if (in_hooks) advance_steps(StepWindow::Phase::kAfterHook, used);
 }
 
 void Reducer::launch(size_t bucket_index) {
@@ -314,6 +314,17 @@ void Reducer::launch(size_t bucket_index) {
       works_[bucket_index] = process_group_->allreduce(tensors);
     } catch (...) {
       rethrow_collective_error("starting the reduction of bucket " + std::to_string(bucket_index));
+    }
+  }
+  if (window_.device_ordered() && options_.step_in_backward) {
+    // What the side stream waits for before stepping this bucket: its gradients are final (and
+    // whatever a communication hook queued on the compute stream is done).
+    launched_events_[bucket_index] = events_->record(current_stream(bucket.flat.device()));
+    if (!comm_hook_) {
+      try {
+        futures_[bucket_index] = works_[bucket_index]->getFuture();
+      } catch (const c10::Error&) {  // a backend without futures: readiness from isCompleted()
+      }
     }
   }
 }
@@ -358,13 +369,18 @@ void Reducer::finalize() {
       used = static_used_;
     }
     std::vector<size_t> unstepped;
-    for (size_t b = next_step_; b < buckets_.size(); ++b) unstepped.push_back(b);
+    for (size_t b = window_.stepped(); b < buckets_.size(); ++b) unstepped.push_back(b);
     if (options_.step_in_backward) {
       if (options_.nan_check == NanCheck::kStrict) {
         for (size_t b : unstepped) collect_reduced(b);
         check_finite(unstepped);  // before any step: a NaN leaves every weight as it was
       }
-      step_reduced_buckets(/*wait=*/true, &used);  // (checks each bucket before its step)
+      advance_steps(StepWindow::Phase::kEnd, &used);  // (checks each bucket before its step)
+      // The caller's stream (where the loop goes on after backward) sees the stepped weights;
+      // the host does not wait. offload_to_cpu: the next forward waits for the host steps.
+      if (step_stream_) {
+        stream_wait(current_stream(params_.front().device()), *step_stream_, *events_);
+      }
       if (nan_bucket_ >= 0) raise_nonfinite(used);
       if (offload_) offload_->end_iteration(/*completed=*/true);
     } else {
@@ -404,11 +420,19 @@ void Reducer::collect_reduced(size_t index) {
     rethrow_collective_error("the reduction of bucket " + std::to_string(index) + " (" +
                              join_names(names_, bucket.params) + ")");
   }
+  // The work (and its future) hold the bucket's memory: drop them, so that releasing the bucket
+  // frees it. NCCL's wait has released its own hold already (ordered by the wait).
+  works_[index].reset();
+  futures_[index].reset();
   if (comm_hook_) {
     TORCH_CHECK(result.numel() == bucket.flat.numel(),
                 "leanddp.DistributedDataParallel: the communication hook returned a tensor of ",
                 result.numel(), " elements for bucket ", index, " of ", bucket.flat.numel());
-    if (!result.is_same(bucket.flat)) bucket.flat.copy_(result.reshape({-1}));
+    if (!result.is_same(bucket.flat)) {
+      bucket.flat.copy_(result.reshape({-1}));
+      // The result may come from another stream's memory: keep it until this stream's copy ran.
+      if (runs_apart(result.device())) record_on_stream(result, current_stream(result.device()));
+    }
   }
   collected_[index] = kCollected;
 }
@@ -528,7 +552,7 @@ MemoryStats Reducer::memory_stats() const {
   MemoryStats stats;
   stats.num_buckets = static_cast<int64_t>(buckets_.size());
   stats.bucket_bytes = allocated_bytes_;
-  wait_idle();
+  wait_idle(/*host_too=*/false, /*order_device=*/false);  // (reads host counters only)
   if (offload_) {
     const OffloadStats host = offload_->stats();
     stats.host_master_bytes = host.master_bytes;

@@ -6,12 +6,22 @@
 // from an autograd-engine callback queued at the first hook of a backward.
 //
 // With optimizer_in_backward (ReducerOptions::step_in_backward) it also steps each bucket's
-// parameters as soon as the bucket's reduction is complete (checked at every hook, and at the
-// end of backward) and then releases the bucket's gradient memory: param.grad becomes None and
-// the flat buffer is freed, to be allocated again at the bucket's next gradient. With
-// offload_to_cpu (set_optimizer with a HostOffload) the step is handed to HostOffload instead: the
-// bucket is copied to the host and released, and the next forward waits for the host steps
-// (wait_for_offload).
+// parameters once the bucket is reduced and then releases the bucket's gradient memory:
+// param.grad becomes None and the flat buffer is freed, to be allocated again at the bucket's
+// next gradient. When a bucket may be stepped is StepWindow's decision (step_window.h):
+//   * CPU buckets (host progress): a bucket is stepped at a hook once its reduction reports done;
+//   * GPU buckets (device order): right after a bucket's reduction is launched, a side stream
+//     waits for it (Work::wait / the future's wait with the side stream current blocks the
+//     stream, not the host), the fused step is enqueued there, the bucket's memory is recorded
+//     on that stream and released at once. The compute stream never waits for a reduction
+//     inside backward; the end of backward orders the caller's stream after the side stream, and
+//     so does every forward and every read of the optimizer's state;
+//   * either way at most ReducerOptions::buckets_in_flight buckets are launched but not finished:
+//     before another launch the oldest is stepped (waiting for its reduction) and, on a GPU, its
+//     step is waited for. Nothing else on the hot path waits for the device.
+// With offload_to_cpu (set_optimizer with a HostOffload) the step is handed to HostOffload
+// instead: on a GPU its device-to-host stream takes the side stream's place; the bucket is copied
+// to the host and released, and the next forward waits for the host steps (wait_for_steps).
 //
 // Failures (see docs/reliability.md): a reduction that fails is rethrown into backward with what
 // was being reduced; a backward that raised part-way is wound up at the next forward, the same way
@@ -26,12 +36,15 @@
 #include "comm_hook.h"
 #include "fused_optim.h"
 #include "offload.h"
+#include "step_window.h"
 #include "stepper.h"
+#include "streams.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -61,6 +74,8 @@ struct ReducerOptions {
   bool static_graph = false;
   // optimizer_in_backward: buckets are stepped (set_optimizer) and released inside backward.
   bool step_in_backward = false;
+  // optimizer_in_backward: most buckets launched but not yet stepped and finished (StepWindow).
+  size_t buckets_in_flight = kBucketsInFlight;
   NanCheck nan_check = NanCheck::kOff;
 };
 
@@ -72,8 +87,9 @@ struct MemoryStats {
   int64_t grads_outside = 0;   // parameters whose grad is a tensor of its own
   int64_t num_buckets = 0;
   int64_t optimizer_state_bytes = 0;  // the fused in-backward optimizer's state
-  // During the last synchronized backward: the most bucket bytes allocated at once, and the
-  // most buckets launched but not yet stepped (optimizer_in_backward).
+  // During the last synchronized backward: the most bucket bytes allocated at once (on a GPU,
+  // counting released buckets whose step may still be running on the device), and the most
+  // buckets launched but not yet stepped and finished (optimizer_in_backward).
   int64_t peak_bucket_bytes = 0;
   int64_t max_buckets_in_flight = 0;
   // offload_to_cpu: float32 master weights, and staging/low-precision buffers, on the host.
@@ -125,10 +141,11 @@ class Reducer {
   // (`offload` given, the other two null), every bucket is stepped on the host by `offload`.
   void set_optimizer(std::unique_ptr<FusedOptimizer> fused, std::unique_ptr<BucketStepper> fallback,
                      std::unique_ptr<HostOffload> offload = nullptr);
-  // Called at each forward, and before parameters are read: waits for the host steps of the
-  // last backward (offload_to_cpu; else returns at once) and rethrows an error met there.
-  // `host_too`: the host waits for the copies back as well (not only the current stream).
-  void wait_for_offload(bool host_too);
+  // Called at each forward, and before parameters are read another way: the current stream is
+  // ordered after the last backward's device steps (optimizer_in_backward on a GPU; the host does
+  // not wait), and the host waits for its host steps (offload_to_cpu) and rethrows an error met
+  // there. `host_too`: the host waits for the copies back as well (not only the current stream).
+  void wait_for_steps(bool host_too);
   // Stops the offload worker once the host steps already queued are done (the wrapper is
   // collected, or the process is exiting); later host steps are dropped.
   void shutdown_offload();
@@ -147,6 +164,9 @@ class Reducer {
   int64_t optimizer_generation() const;
 
   MemoryStats memory_stats() const;
+  // CUDA events created so far for ordering steps and copies (they are pooled: this stays
+  // constant once every bucket has been through a step).
+  int64_t events_created() const;
   // Parameter indices per bucket, in launch order.
   std::vector<std::vector<int64_t>> bucket_indices() const;
   std::vector<int64_t> bucket_bytes() const;
@@ -192,11 +212,19 @@ class Reducer {
   // Waits for bucket `index`'s reduction and leaves the averaged result in its flat buffer
   // (once per iteration; later calls return at once).
   void collect_reduced(size_t index);
-  // optimizer_in_backward: steps every launched bucket whose reduction is complete (all of them,
-  // waiting, if `wait`), in launch order, then releases them. `used`: the per-parameter
-  // "globally used" verdict (null: all used); parameters not used are not stepped.
-  void step_reduced_buckets(bool wait, const std::vector<int32_t>* used);
+  // optimizer_in_backward: carries out the window's decisions for `phase` (step_window.h): steps
+  // launched buckets in launch order and releases them, waiting only where the window says so.
+  // `used`: the per-parameter "globally used" verdict (null: all used); parameters not used are
+  // not stepped.
+  void advance_steps(StepWindow::Phase phase, const std::vector<int32_t>* used);
+  // Whether bucket `index`'s reduction is ready to be consumed: done (CPU), or ordered on the
+  // device so that a stream can wait for it (GPU: the work's future is complete on the host).
+  bool reduction_ready(size_t index) const;
+  // Steps bucket `index` (on a GPU: enqueues its step on the side stream, behind its reduction)
+  // and releases it.
   void step_bucket(size_t index, const std::vector<int32_t>* used);
+  // GPU: the stream buckets are stepped on (HostOffload's device-to-host stream with offload).
+  c10::Stream side_stream() const;
   void ensure_allocated(size_t bucket_index);
   // Throws "<what> only before the first backward" once a backward has been prepared or run.
   void check_before_first_backward(const char* what) const;
@@ -204,11 +232,13 @@ class Reducer {
   // The fused optimizer, wherever it lives (null if none). With offload_to_cpu the worker must
   // be idle (wait_idle()).
   FusedOptimizer* fused_optimizer() const;
-  // offload_to_cpu: waits for the worker before the optimizer or masters are touched; with
-  // `host_too` also for the copies back, which read the masters (before masters are written).
-  // Without it the host does not wait for the copy stream: reads and state updates need only the
-  // worker idle.
-  void wait_idle(bool host_too = false) const;
+  // Before the optimizer, its state or the parameters are touched from outside backward: on a
+  // GPU the current stream waits for the side stream (device steps; not if `order_device` is
+  // false, for reads of host counters, which may happen inside backward); with offload_to_cpu
+  // the host waits for the worker, and with `host_too` also for the copies back, which read the
+  // masters (before masters are written). Without it the host does not wait for the copy stream:
+  // reads and state updates need only the worker idle.
+  void wait_idle(bool host_too = false, bool order_device = true) const;
 
   // Fixed at construction.
   std::vector<at::Tensor> params_;
@@ -219,6 +249,9 @@ class Reducer {
   std::vector<uintptr_t> hook_keys_;
   std::unordered_map<const torch::autograd::Node*, size_t> accumulator_index_;
   double div_factor_;
+  // GPU only: the stream in-backward steps run on (without offload) and the events that order it.
+  std::optional<c10::Stream> step_stream_;
+  std::unique_ptr<EventPool> events_;
 
   mutable std::mutex mu_;
   // Layout: replaced once by rebuild_buckets().
@@ -237,7 +270,7 @@ class Reducer {
   bool unused_marked_ = false;    // parameters found unused were marked ready
   bool recording_order_ = false;  // this backward's readiness order feeds the rebuild
   size_t next_bucket_ = 0;        // next bucket to launch
-  size_t next_step_ = 0;          // next bucket to step (optimizer_in_backward)
+  StepWindow window_;             // which launched buckets are stepped and finished
   std::vector<char> ready_;
   std::vector<at::Tensor> sources_;  // per param: the tensor to copy into its slice at launch
   std::vector<int64_t> unused_;      // parameters this iteration expects no gradient for
@@ -245,6 +278,15 @@ class Reducer {
   // micro-batches included); reset when a synchronized backward ends or is abandoned.
   std::vector<int32_t> local_used_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;  // per launched bucket
+  // GPU, per launched bucket: the work's future (its readiness on the host; null if the backend
+  // has none), and an event recorded on the compute stream after the bucket's gradients were
+  // final, which the side stream waits for before stepping it.
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures_;
+  std::vector<EventPool::Handle> launched_events_;
+  // GPU, per bucket stepped but not known to be finished, in order: an event recorded on the
+  // side stream after its step, and the bucket's bytes (released, but in use until then).
+  std::deque<std::pair<EventPool::Handle, int64_t>> finish_events_;
+  int64_t unfinished_bytes_ = 0;
   // Per bucket: kCollected once its result is in `flat`, kChecked once also found finite.
   static constexpr char kCollected = 1, kChecked = 2;
   std::vector<char> collected_;

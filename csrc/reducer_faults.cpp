@@ -14,7 +14,7 @@ bool Reducer::abandon_iteration(bool step_launched) {
   bool ok = true;
   if (step_launched && steps_in_hooks()) {
     try {
-      step_reduced_buckets(/*wait=*/true, options_.static_graph ? &static_used_ : nullptr);
+      advance_steps(StepWindow::Phase::kEnd, options_.static_graph ? &static_used_ : nullptr);
     } catch (...) {  // reported below (ok = false); the other reductions are still waited for
       ok = false;
     }
@@ -48,7 +48,7 @@ void Reducer::recover_unfinished() {
   if (!armed_) return;
   const bool started = callback_queued_;  // a hook fired: the backward ran part of the way
   const bool ok = abandon_iteration(/*step_launched=*/started);
-  if (offload_) offload_->wait(/*host_too=*/false);  // its host steps land before this forward
+  wait_idle();  // its device or host steps land before this forward
   TORCH_CHECK(ok, "leanddp.DistributedDataParallel: rank ", process_group_->getRank(),
               ": the last backward raised part-way and its gradient reductions failed too; "
               "the process group cannot be used for training any more (another rank has "

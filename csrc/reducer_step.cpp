@@ -2,53 +2,94 @@
 // buckets, and the methods that reach the optimizer's state. See reducer.h.
 #include "reducer.h"
 
+#include <c10/core/StreamGuard.h>
+
 namespace leanddp {
 
-void Reducer::step_reduced_buckets(bool wait, const std::vector<int32_t>* used) {
-  while (next_step_ < next_bucket_) {
-    if (!wait && !(comm_hook_ ? comm_hook_->done(next_step_) : works_[next_step_]->isCompleted())) {
-      break;
+void Reducer::advance_steps(StepWindow::Phase phase, const std::vector<int32_t>* used) {
+  const auto ready = [this](size_t b) { return reduction_ready(b); };
+  while (const auto decision = window_.next(phase, ready)) {
+    if (decision->action == StepWindow::Action::kFinish) {
+      // The window is full and the device runs behind: the host waits for the oldest bucket's
+      // step only (never for the device to drain), so its memory can be handed out again.
+      auto& [event, bytes] = finish_events_.front();
+      event->synchronize();
+      unfinished_bytes_ -= bytes;
+      finish_events_.pop_front();
+      window_.finished_one();
+      continue;
     }
-    step_bucket(next_step_++, used);
+    step_bucket(decision->bucket, used);
+    window_.stepped_one();
   }
 }
 
+bool Reducer::reduction_ready(size_t index) const {
+  if (comm_hook_) return comm_hook_->done(index);
+  if (futures_[index]) return futures_[index]->completed();
+  return works_[index]->isCompleted();
+}
+
+c10::Stream Reducer::side_stream() const {
+  return offload_ ? offload_->d2h_stream() : *step_stream_;
+}
+
 void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
+  // GPU: everything below is queued on the side stream, behind this bucket's gradients and its
+  // reduction; the host waits for neither (NCCL's wait and a CUDA future's wait make the
+  // current stream wait).
+  std::optional<c10::Stream> side;
+  std::optional<c10::StreamGuard> on_side;
+  if (window_.device_ordered()) {
+    side = side_stream();
+    if (launched_events_[index]) {
+      launched_events_[index]->block(*side);
+      launched_events_[index].reset();
+    }
+    on_side.emplace(*side);
+  }
   collect_reduced(index);
   if (options_.nan_check != NanCheck::kOff) check_finite({index});
-  if (nan_bucket_ >= 0) {  // this bucket, or one stepped before it, holds NaN/inf: not stepped
-    release(index);
-    return;
-  }
   Bucket& bucket = buckets_[index];
-  // Used members the fused kernels can step go to them (`mask`); the others to the fallback.
-  std::vector<char> mask(bucket.params.size(), 0);
-  std::vector<int64_t> others;
-  std::vector<at::Tensor> other_grads;
-  FusedOptimizer* fused = offload_ ? nullptr : fused_.get();
-  for (size_t s = 0; s < mask.size(); ++s) {
-    const auto p = static_cast<size_t>(bucket.params[s]);
-    if (used != nullptr && (*used)[p] == 0) continue;
-    if (offload_ || (fused && fused->can_step(p))) {
-      mask[s] = 1;
-    } else {
-      others.push_back(bucket.params[s]);
-      other_grads.push_back(bucket.views[s]);
-    }
-  }
-  if (offload_) {
-    offload_->submit(index, bucket, mask);
-  } else if (fused) {
-    StepTargets targets;
+  // A bucket holding NaN/inf, or after one that did, is not stepped, only released.
+  if (nan_bucket_ < 0) {
+    // Used members the fused kernels can step go to them (`mask`); the others to the fallback.
+    std::vector<char> mask(bucket.params.size(), 0);
+    std::vector<int64_t> others;
+    std::vector<at::Tensor> other_grads;
+    FusedOptimizer* fused = offload_ ? nullptr : fused_.get();
     for (size_t s = 0; s < mask.size(); ++s) {
-      targets.params.push_back(params_[static_cast<size_t>(bucket.params[s])]);
+      const auto p = static_cast<size_t>(bucket.params[s]);
+      if (used != nullptr && (*used)[p] == 0) continue;
+      if (offload_ || (fused && fused->can_step(p))) {
+        mask[s] = 1;
+      } else {
+        others.push_back(bucket.params[s]);
+        other_grads.push_back(bucket.views[s]);
+      }
     }
-    targets.grads = bucket.views;
-    fused->step(index, bucket, mask, targets);
+    if (offload_) {
+      offload_->submit(index, bucket, mask);
+    } else if (fused) {
+      StepTargets targets;
+      for (size_t s = 0; s < mask.size(); ++s) {
+        targets.params.push_back(params_[static_cast<size_t>(bucket.params[s])]);
+      }
+      targets.grads = bucket.views;
+      fused->step(index, bucket, mask, targets);
+    }
+    if (!others.empty()) {
+      TORCH_CHECK(fallback_, "leanddp.DistributedDataParallel: no optimizer for bucket ", index);
+      fallback_->step(index, others, other_grads);
+    }
   }
-  if (!others.empty()) {
-    TORCH_CHECK(fallback_, "leanddp.DistributedDataParallel: no optimizer for bucket ", index);
-    fallback_->step(index, others, other_grads);
+  if (side) {
+    // The bucket is released now; the caching allocator hands its memory out again only after
+    // the side stream's work on it.
+    const int64_t bytes = static_cast<int64_t>(bucket.flat.nbytes());
+    record_on_stream(bucket.flat, *side);
+    finish_events_.emplace_back(events_->record(*side), bytes);
+    unfinished_bytes_ += bytes;
   }
   release(index);
 }
@@ -66,13 +107,14 @@ void Reducer::set_optimizer(std::unique_ptr<FusedOptimizer> fused,
   fused_ = std::move(fused);
   fallback_ = std::move(fallback);
   offload_ = std::move(offload);
+  if (offload_) offload_->set_layout(buckets_);
   // The NaN check runs before the host steps: they wait for the end of backward.
   if (offload_ && options_.nan_check != NanCheck::kOff) offload_->hold_steps();
 }
 
-void Reducer::wait_for_offload(bool host_too) {
+void Reducer::wait_for_steps(bool host_too) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (offload_) offload_->wait(host_too);
+  wait_idle(host_too);
 }
 
 void Reducer::shutdown_offload() {
@@ -85,8 +127,12 @@ OffloadStats Reducer::offload_stats() const {
   return offload_ ? offload_->stats() : OffloadStats{};
 }
 
-void Reducer::wait_idle(bool host_too) const {
-  if (offload_) offload_->wait(host_too);
+void Reducer::wait_idle(bool host_too, bool order_device) const {
+  if (offload_) {
+    offload_->wait(host_too);
+  } else if (step_stream_ && order_device) {
+    stream_wait(current_stream(params_.front().device()), *step_stream_, *events_);
+  }
 }
 
 FusedOptimizer* Reducer::fused_optimizer() const {
@@ -134,9 +180,14 @@ void Reducer::load_optimizer_state(size_t p, int64_t step, const std::vector<at:
   fused->load_state(p, b, buckets_[b], s, step, values);
 }
 
+int64_t Reducer::events_created() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return (events_ ? events_->created() : 0) + (offload_ ? offload_->events_created() : 0);
+}
+
 int64_t Reducer::optimizer_generation() const {
   std::lock_guard<std::mutex> lock(mu_);
-  wait_idle();
+  wait_idle(/*host_too=*/false, /*order_device=*/false);  // (reads host counters only)
   FusedOptimizer* fused = fused_optimizer();
   return (fused ? fused->generation() : 0) + (offload_ ? offload_->generation() : 0);
 }

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 from torch.nn.parallel.distributed import _find_tensors
 
-from . import _comm, _offload, optim
+from . import _comm, _waits, optim
 from ._collectives import broadcast_from_rank0, verify_same_parameters
 from ._config import DDPConfig, check_arguments
 from ._extension import _C
@@ -31,7 +31,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     ``optimizer_in_backward``: a factory such as
     ``functools.partial(torch.optim.AdamW, lr=1e-3)``, called with ``module.parameters()``.
     Each bucket is then stepped as soon as its reduction finishes, still inside backward, and
-    its gradient memory is released (``param.grad`` is None afterwards). The optimizer it
+    its gradient memory is released (``param.grad`` is None afterwards). On a GPU the steps are
+    queued on a side stream behind each bucket's reduction, never waited for by the host; the
+    stream that called backward is ordered after them when backward returns. The optimizer it
     returns is ``self.optimizer``: LR schedulers and checkpoints use it as usual, and its
     ``step()`` does nothing (see docs/ddp.md).
 
@@ -213,8 +215,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         )
         if self._in_backward is not None:
             self._in_backward.attach(self.reducer)
-        if self._config.offload_to_cpu:
-            _offload.install_waits(self)
+        if self._in_backward is not None:
+            _waits.install_waits(self, self._config.offload_to_cpu)
         for hook, state in self._comm_hooks:
             self._attach_comm_hook(hook, state)
 
@@ -226,8 +228,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         with torch.autograd.profiler.record_function("leanddp.DistributedDataParallel.forward"):
             if self._join_config.enable:  # inside an enabled Join context: "not joined yet"
                 Join.notify_join_context(self)
-            if self._config.offload_to_cpu:
-                self.reducer.wait_for_offload()  # last step's weights are back
+            if self._in_backward is not None:
+                self.reducer.wait_for_steps()  # last step's weights are in place
             grad_enabled = torch.is_grad_enabled()
             if grad_enabled:
                 self._check_parameters_unchanged()
@@ -393,12 +395,15 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         }
 
     def synchronize(self) -> None:
-        """Waits until the last step's host updates are in the parameters (offload_to_cpu; a
-        no-op otherwise) and raises an error the host step met. Forwards, ``state_dict()`` of
-        the wrapped modules and ``self.optimizer``'s state do this by themselves; call it before
-        reading parameters any other way between a backward and the next forward."""
-        if self._config.offload_to_cpu:
-            self.reducer.wait_for_offload(host_too=True)
+        """Makes the last step's updates visible to the caller: with ``offload_to_cpu`` the
+        host waits until the host steps' updates are in the parameters and raises an error the
+        host step met; with ``optimizer_in_backward`` on a GPU the current stream is ordered
+        after the steps (the host does not wait); otherwise a no-op. Forwards, ``state_dict()``
+        of the wrapped modules and ``self.optimizer``'s state do this by themselves, and on a GPU
+        the end of backward orders the stream that called it; call it before reading parameters
+        any other way between a backward and the next forward."""
+        if self._in_backward is not None:
+            self.reducer.wait_for_steps(host_too=self._config.offload_to_cpu)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """The fields of torch's DDP logging data that leanddp shares, with torch's keys."""

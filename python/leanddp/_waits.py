@@ -1,0 +1,45 @@
+"""optimizer_in_backward's Python glue: where parameters are read or written, wait for the steps.
+
+The steps of a backward may still be running after backward returns: on a GPU they are queued
+on a side stream (the stream that called backward is ordered after them, the host does not wait),
+and with offload_to_cpu the host worker finishes them. ``DistributedDataParallel.forward`` waits
+for them. So that code using the parameters another way sees the stepped weights too (and does
+not race with the writes), the wrapped module waits before its own forward (called directly, as
+evaluation code often does), and every module that owns a trained parameter waits before its
+``state_dict()`` and ``load_state_dict()``. With offload_to_cpu the worker is also stopped at
+interpreter exit, before torch tears down.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch import nn
+
+
+def install_waits(ddp: nn.Module, offload: bool) -> None:
+    """Installs the waits on ``ddp.module`` and, with ``offload``, the exit-time shutdown of
+    ``ddp.reducer``'s host worker."""
+    ref = weakref.ref(ddp)
+
+    def before_forward(module: nn.Module, args: Any) -> None:
+        owner = ref()
+        if owner is not None:
+            owner.reducer.wait_for_steps()
+
+    def before_state_dict(module: nn.Module, *args: Any) -> None:
+        owner = ref()
+        if owner is not None:
+            owner.reducer.wait_for_steps(host_too=True)
+
+    ddp.module.register_forward_pre_hook(before_forward)
+    trained = {id(p) for p in ddp._params}
+    for sub in ddp.module.modules():
+        if any(id(p) in trained for p in sub.parameters(recurse=False)):
+            sub.register_state_dict_pre_hook(before_state_dict)
+            sub.register_load_state_dict_pre_hook(before_state_dict)
+    if offload:
+        # Runs when ddp is collected or, at the latest, at interpreter exit (weakref.finalize is
+        # an atexit hook too): a worker still stepping then finishes its bucket and stops.
+        weakref.finalize(ddp, ddp.reducer.shutdown_offload)
