@@ -1,9 +1,10 @@
 """Runs a test body in several processes with a gloo process group, and re-raises failures.
 
 ``run_ranks(world_size, fn, *args)`` spawns ``world_size`` processes; each initialises the
-default group on a fresh TCP port and calls ``fn(rank, world_size, *args)``. ``fn`` must be a
-module-level function (it is pickled by name). A failure on any rank fails the test with that
-rank's traceback; a hang is cut off by the process group timeout.
+default group (gloo, or ``backend=``) on a fresh TCP port and calls
+``fn(rank, world_size, *args)``. ``fn`` must be a module-level function (it is pickled by
+name). A failure on any rank fails the test with that rank's traceback; a hang is cut off by
+the process group timeout.
 """
 
 from __future__ import annotations
@@ -28,12 +29,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_rank(rank: int, world_size: int, port: int, timeout: datetime.timedelta) -> None:
-    """One thread, and the default gloo group of ``world_size`` ranks on 127.0.0.1:``port``."""
+def init_rank(
+    rank: int, world_size: int, port: int, timeout: datetime.timedelta, backend: str = "gloo"
+) -> None:
+    """One thread, and the default group of ``world_size`` ranks on 127.0.0.1:``port`` (NCCL:
+    rank r uses GPU r)."""
     os.environ["LEANDDP_TEST_RANK"] = str(rank)
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
@@ -41,8 +47,16 @@ def init_rank(rank: int, world_size: int, port: int, timeout: datetime.timedelta
     )
 
 
-def _entry(rank: int, world_size: int, port: int, seed: int, fn: Callable, args: tuple) -> None:
-    init_rank(rank, world_size, port, TIMEOUT)
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    seed: int,
+    fn: Callable,
+    args: tuple,
+    backend: str = "gloo",
+) -> None:
+    init_rank(rank, world_size, port, TIMEOUT, backend)
     try:
         torch.manual_seed(seed + 1000 * rank)
         fn(rank, world_size, *args)
@@ -51,12 +65,12 @@ def _entry(rank: int, world_size: int, port: int, seed: int, fn: Callable, args:
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> None:
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (see module doc)."""
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo") -> None:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks (see module doc)."""
     seed = int(torch.randint(0, 2**30, ()).item())
     mp.spawn(
         _entry,
-        args=(world_size, _free_port(), seed, fn, args),
+        args=(world_size, _free_port(), seed, fn, args, backend),
         nprocs=world_size,
         join=True,
     )

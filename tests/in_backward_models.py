@@ -50,6 +50,23 @@ OPTIMIZERS: dict[str, Factory] = {
 }
 
 
+class Deep(nn.Module):
+    """Twelve equal layers: with a bucket cap of ``LAYER_BYTES``, one bucket per layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32, bias=False) for _ in range(12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+#: Bytes of one of Deep's layers (float32).
+LAYER_BYTES = 32 * 32 * 4
+
+
 def scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 

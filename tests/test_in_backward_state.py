@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from ddp_models import Net
 from dist_harness import run_ranks
-from in_backward_models import OPTIMIZERS, completed_allreduce_hook
+from in_backward_models import OPTIMIZERS, Deep, completed_allreduce_hook
 from torch import nn
 
 import leanddp
@@ -124,19 +124,6 @@ def _checkpoints(rank: int, world_size: int, name: str, offload: bool) -> None:
 def test_checkpoint_round_trip_both_ways(name: str, offload: bool) -> None:
     """ddp.optimizer's checkpoints load into plain torch and back (offload: state on the host)."""
     run_ranks(2, _checkpoints, name, offload)
-
-
-class Deep(nn.Module):
-    """Twelve equal layers: with a small bucket cap, one bucket per layer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(32, 32, bias=False) for _ in range(12))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
 
 
 def _release(rank: int, world_size: int, completed: bool) -> None:
