@@ -1,0 +1,192 @@
+"""leanddp on a GPU, against torch's DDP (+ the same torch optimizer) in the same processes: NCCL
+at world size 1, and two gloo ranks sharing GPU 0. Also what only a GPU shows: in-backward steps
+ordered on a side stream keep gradient memory bounded by the window while the host runs ahead,
+and the training loop's hot path never synchronizes the host with the device.
+
+Run by benchmarks/gpu/run.sh (tests and compute-sanitizer); skipped where no GPU is visible.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_models import Case, LockStep, Net, assert_same
+from dist_harness import run_ranks
+from in_backward_models import OPTIMIZERS, InBackwardLockStep, assert_params_close
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import leanddp
+from leanddp._extension import _C
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
+
+STEPS = 4
+BATCH = 6
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    return [torch.randn(BATCH, 12, device="cuda") for _ in range(n)]
+
+
+def _views(rank: int, world_size: int) -> None:
+    """Gradient views and no_sync accumulation: gradients after every step (within 1e-5: GPU
+    kernels may reduce with atomics, so bitwise equality is claimed on the CPU only)."""
+    for accum, tiny in itertools.product((1, 3), (False, True)):
+        case = Case(accum=accum, tiny_buckets=tiny, optimizer="adamw")
+        run = LockStep(Net(rank=rank, f64=False).cuda(), case)
+        for step in range(STEPS):
+            run.backward(_batches(accum))
+            for name, a, b in run.pairs():
+                assert_same(a.grad, b.grad, f"{case} step {step} {name}.grad", exact=False)
+            run.step()
+
+
+def _in_backward(rank: int, world_size: int) -> None:
+    """optimizer_in_backward: fused AdamW/SGD, the Python fallback, accumulation, tiny buckets."""
+    for name, accum, tiny in itertools.product(
+        ("adamw", "sgd-nesterov", "adagrad"), (1, 3), (False, True)
+    ):
+        cap = 0.0005 if tiny else None
+        run = InBackwardLockStep(
+            Net(rank=rank, f64=False).cuda(), OPTIMIZERS[name], bucket_cap_mb=cap
+        )
+        for step in range(STEPS):
+            run.step(_batches(accum), legacy_calls=step % 2 == 1)
+            assert_params_close(run, f"cuda {name} accum={accum} tiny={tiny} step {step}")
+        assert run.ours.memory_stats()["max_buckets_in_flight"] <= _C.BUCKETS_IN_FLIGHT
+
+
+def _with_hooks(rank: int, world_size: int) -> None:
+    """A communication hook with optimizer_in_backward (its future is waited for on the side
+    stream), against torch's DDP with the same hook + the same optimizer."""
+    hooks = (default_hooks.allreduce_hook, default_hooks.bf16_compress_hook)
+    for hook, accum in itertools.product(hooks, (1, 2)):
+        run = InBackwardLockStep(
+            Net(rank=rank, f64=False).cuda(), OPTIMIZERS["adamw"], bucket_cap_mb=0.0005
+        )
+        run.ref.register_comm_hook(None, hook)
+        run.ours.register_comm_hook(None, hook)
+        for step in range(STEPS):
+            run.step(_batches(accum))
+            assert_params_close(run, f"{hook.__name__} accum={accum} step {step}")
+
+
+@pytest.mark.parametrize("body", [_views, _in_backward, _with_hooks], ids=lambda f: f.__name__)
+def test_nccl_world_size_1(body) -> None:
+    run_ranks(1, body, backend="nccl")
+
+
+@pytest.mark.parametrize("body", [_views, _in_backward], ids=lambda f: f.__name__)
+def test_two_gloo_ranks_sharing_the_gpu(body) -> None:
+    run_ranks(2, body)
+
+
+class _Wide(nn.Module):
+    """Twelve 1024x1024 layers: one 4 MiB bucket each with a 4 MiB cap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(1024, 1024, bias=False) for _ in range(12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+_LAYER = 1024 * 1024 * 4
+
+
+def _memory(rank: int, world_size: int) -> None:
+    """The host runs ahead of the GPU (a slow kernel queued first): gradient memory during
+    backward stays within the window, not every bucket (as when steps waited for the host to see
+    reductions complete)."""
+    model = _Wide().cuda()
+    ddp = leanddp.DistributedDataParallel(
+        model,
+        device_ids=[0],
+        bucket_cap_mb=_LAYER / 2**20,
+        optimizer_in_backward=functools.partial(torch.optim.AdamW, lr=1e-3, fused=True),
+    )
+    x = torch.randn(64, 1024, device="cuda")
+    for _ in range(3):  # rebuild the buckets, create the optimizer state
+        ddp(x).square().mean().backward()
+    torch.cuda.synchronize()
+    for _ in range(3):
+        # "active" bytes count a freed block until the streams it was recorded on are past it
+        # (allocated bytes drop at the free, before the side stream's step has run)
+        start = torch.cuda.memory_stats()["active_bytes.all.current"]
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda._sleep(200_000_000)  # the GPU is busy for a while: the host runs far ahead
+        ddp(x).square().mean().backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.memory_stats()["active_bytes.all.peak"] - start
+        activations = 12 * 64 * 1024 * 4 * 3
+        # the window's released buckets, the bucket being filled and its gradients, activations
+        bound = (_C.BUCKETS_IN_FLIGHT + 2) * _LAYER + activations + 2**20
+        assert peak <= bound, (peak / _LAYER, bound / _LAYER, ddp.memory_stats())
+        assert all(p.grad is None for p in model.parameters())
+
+
+def test_gradient_memory_bounded_while_the_host_runs_ahead() -> None:
+    run_ranks(1, _memory, backend="nccl")
+
+
+def _sync_free(rank: int, world_size: int, config: str) -> None:
+    """Training steps under torch.cuda.set_sync_debug_mode("error"): any host synchronization
+    on leanddp's hot path (forward glue, hooks, launches, in-backward steps, offload copies)
+    raises."""
+    factory = functools.partial(torch.optim.AdamW, lr=1e-3, fused=config == "in_backward")
+    kwargs = dict(device_ids=[0], bucket_cap_mb=0.0005)
+    if config != "views":
+        kwargs["optimizer_in_backward"] = factory
+    if config == "offload":
+        kwargs["offload_to_cpu"] = True
+    ddp = leanddp.DistributedDataParallel(Net(rank=rank, f64=False).cuda(), **kwargs)
+    batches = _batches(2)
+    for _ in range(3):  # the bucket rebuild (a broadcast read on the host) happens here
+        ddp(batches[0]).square().mean().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            with ddp.no_sync():
+                ddp(batches[0]).square().mean().backward()
+            ddp(batches[1]).square().mean().backward()
+            if config == "views":
+                for p in ddp.module.parameters():
+                    p.grad = None
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("config", ["views", "in_backward", "offload"])
+def test_no_host_synchronization_per_iteration(config: str) -> None:
+    run_ranks(1, _sync_free, config, backend="nccl")
+
+
+def test_events_are_pooled() -> None:
+    """Steps and copies reuse a bounded set of CUDA events, not one per bucket per iteration."""
+    run_ranks(1, _events, backend="nccl")
+
+
+def _events(rank: int, world_size: int) -> None:
+    ddp = leanddp.DistributedDataParallel(
+        Net(rank=rank, f64=False).cuda(),
+        device_ids=[0],
+        bucket_cap_mb=0.0005,
+        optimizer_in_backward=functools.partial(torch.optim.AdamW, lr=1e-3),
+    )
+    for _ in range(3):
+        ddp(_batches(1)[0]).square().mean().backward()
+    created = ddp.reducer.events_created()
+    for _ in range(5):
+        ddp(_batches(1)[0]).square().mean().backward()
+    assert ddp.reducer.events_created() == created, "new events were created per iteration"
+    assert dist.get_world_size() == 1
