@@ -1,0 +1,273 @@
+#!/usr/bin/env bash
+# leanddp's GPU suite in one command: build for this GPU, the CUDA tests under compute-sanitizer,
+# the GPU benchmarks and their report.
+#
+#   benchmarks/gpu/run.sh [--smoke] [all|build|tests|bench] [OUT_DIR]
+#
+#   all     (default) build, tests, bench
+#   tests   build (when needed), then the tests; fits one 10-minute device command
+#   bench   build (when needed), then the benchmarks; fits one 10-minute device command
+#   build   pip install for the local GPU's architecture (TORCH_CUDA_ARCH_LIST from
+#           torch.cuda.get_device_capability()); skipped when leanddp imports with its CUDA
+#           kernels and build/gpu-suite.stamp matches the hash of csrc/, python/, setup.py and
+#           pyproject.toml, the GPU's architecture and the torch version
+#   the tests part: pytest with the GPU visible: tests/test_flatten.py tests/test_optim_ops.py
+#           tests/test_offload.py (and tests/test_cuda_ddp.py when it exists); then
+#           compute-sanitizer memcheck, racecheck and synccheck, each over the op tests' CUDA
+#           cases (-k cuda) and test_cuda_ddp.py's in_backward cases; a run fails on
+#           "ERROR SUMMARY: N errors" with N > 0, on a failing test, on no summary, on a timeout
+#   the bench part: memory_timeline.py (fp32, bf16), step_time.py (GPT-2 small, bf16 and fp32),
+#           benchmarks/bench_ops.py --device cuda, then report.py: OUT_DIR/report.md
+#   --smoke (or LEANDDP_GPU_SMOKE=1) the bench part only, on the CPU with the tiny model and few
+#           steps, without bench_ops: checks the scripts where there is no GPU (35-55 s on 2 cores)
+#
+# OUT_DIR: default $OUT, else benchmarks/out/gpu. Logged there: run.log (everything),
+# logs/<step>.log, steps.tsv (each step's status, seconds and note; report.md shows it).
+# Environment: PYTHON (default python3; must have a CUDA build of torch, pytest, setuptools,
+# ninja, matplotlib; nvcc and compute-sanitizer from the CUDA toolkit; no network is used),
+# MAX_JOBS (default: nproc).
+# Expected on one H100 with 16 cores (estimates; the step table records the real times):
+#   build  a few minutes, one architecture (skipped when nothing changed)
+#   tests  under 10 minutes with the build: pytest ~2-3 min; the three sanitizer runs share what
+#          is left of TESTS_BUDGET_S, counted from the start (each capped at SANITIZER_MAX_S)
+#   bench  ~4 minutes: memory_timeline ~30 s, step_time ~2-3 min, bench_ops ~30 s, report ~5 s
+# Every step runs even when an earlier one failed; exit status 1 when any failed, 2 on bad usage.
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd -P)
+HERE=$REPO/benchmarks/gpu
+PYTHON=${PYTHON:-python3}
+SMOKE=0
+[ "${LEANDDP_GPU_SMOKE:-0}" = 1 ] && SMOKE=1
+TESTS_BUDGET_S=570   # the tests part, pytest included: 9.5 minutes
+SANITIZER_MAX_S=240  # one compute-sanitizer run at most
+SANITIZER_MIN_S=60   # one compute-sanitizer run at least (pytest is capped so that three fit)
+OPS_TESTS=(tests/test_flatten.py tests/test_optim_ops.py)
+DDP_TESTS=tests/test_cuda_ddp.py
+
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
+bad_usage() {
+  printf 'run.sh: %s\nusage: benchmarks/gpu/run.sh [--smoke] [all|build|tests|bench] [OUT_DIR]\n' \
+    "$1" >&2
+  exit 2
+}
+
+PART="" OUT_DIR=""
+for arg in "$@"; do
+  case $arg in
+    --smoke) SMOKE=1 ;;
+    -h | --help) usage && exit 0 ;;
+    -*) bad_usage "unknown option $arg" ;;
+    *)
+      if [ -z "$PART" ]; then
+        [[ $arg =~ ^(all|build|tests|bench)$ ]] ||
+          bad_usage "unknown part '$arg' (OUT_DIR comes after the part: all $arg)"
+        PART=$arg
+      elif [ -z "$OUT_DIR" ]; then
+        OUT_DIR=$arg
+      else
+        bad_usage "unexpected argument '$arg'"
+      fi
+      ;;
+  esac
+done
+PART=${PART:-all}
+OUT_DIR=${OUT_DIR:-${OUT:-$REPO/benchmarks/out/gpu}}
+mkdir -p "$OUT_DIR/logs"
+OUT_DIR=$(cd "$OUT_DIR" && pwd -P)
+STEPS=$OUT_DIR/steps.tsv
+FAILED=()
+
+say() { printf '\n[gpu-suite %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+record() {  # record NAME STATUS SECONDS NOTE: one row of steps.tsv
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$STEPS"
+}
+
+step() {  # step PART NAME CMD...: runs CMD, output in logs/NAME.log too; a failure is recorded
+  local name="$1: $2" log=$OUT_DIR/logs/$2.log start=$SECONDS status note=""
+  shift 2
+  say "$name: $*"
+  rm -f "$log.note"
+  set +e
+  "$@" 2>&1 | tee "$log"
+  status=${PIPESTATUS[0]}
+  set -e
+  [ -f "$log.note" ] && note=$(cat "$log.note")
+  [ "$status" = 124 ] && note="timed out${note:+; $note}"
+  if [ "$status" = 0 ]; then
+    record "$name" PASS $((SECONDS - start)) "$note"
+  else
+    record "$name" "FAIL (exit $status)" $((SECONDS - start)) "$note"
+    FAILED+=("$name")
+  fi
+  say "$name: $(tail -1 "$STEPS" | cut -f2) in $((SECONDS - start)) s"
+}
+
+skip() {  # skip PART NAME WHY
+  say "$1: $2: skipped, $3"
+  record "$1: $2" skipped 0 "$3"
+}
+
+source_hash() {  # what an installed build is made from
+  (cd "$REPO" && find csrc python setup.py pyproject.toml -type f ! -name '*.so' ! -name '*.pyc' \
+    ! -path '*/__pycache__/*' ! -path '*.egg-info/*' -print0 | LC_ALL=C sort -z |
+    xargs -0 sha256sum) | sha256sum | cut -d' ' -f1
+}
+
+build_leanddp() {  # the build step (runs without errexit: every failure returns)
+  local stamp=$REPO/build/gpu-suite.stamp arch want
+  arch=$("$PYTHON" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())') ||
+    return 1
+  want="$(source_hash) arch $arch torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] &&
+    "$PYTHON" -c 'import sys, leanddp; sys.exit(not leanddp.build_info()["cuda"])'; then
+    echo "leanddp with CUDA kernels is installed from this source for sm_${arch/./}: no rebuild"
+    echo "skipped: unchanged since $stamp" >"$OUT_DIR/logs/build.log.note"
+    return 0
+  fi
+  rm -f "$stamp"
+  (cd "$REPO" && TORCH_CUDA_ARCH_LIST=$arch LEANDDP_FORCE_CUDA=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} \
+    "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index .) || return 1
+  "$PYTHON" -c 'import sys, leanddp; print(leanddp.build_info())
+sys.exit(not leanddp.build_info()["cuda"])' || return 1
+  mkdir -p "$REPO/build" && echo "$want" >"$stamp"
+  echo "TORCH_CUDA_ARCH_LIST=$arch" >"$OUT_DIR/logs/build.log.note"
+}
+
+find_sanitizer() {
+  local dir
+  command -v compute-sanitizer && return 0
+  for dir in "${CUDA_HOME:-}" /usr/local/cuda "$(dirname "$(command -v nvcc || echo .)")/.."; do
+    [ -x "$dir/bin/compute-sanitizer" ] && echo "$dir/bin/compute-sanitizer" && return 0
+  done
+  return 1
+}
+
+sanitize() {  # sanitize TOOL SECONDS: one compute-sanitizer run (runs without errexit)
+  local tool=$1 limit=$2 bin out status errors summaries selection
+  local pre=(env) files=("${OPS_TESTS[@]}")
+  if ! bin=$(find_sanitizer); then
+    echo "compute-sanitizer not found (PATH, \$CUDA_HOME/bin, /usr/local/cuda/bin, nvcc's dir)"
+    return 1
+  fi
+  selection="(cuda and not test_cuda_ddp)"
+  if [ -f "$REPO/$DDP_TESTS" ]; then
+    files+=("$DDP_TESTS")
+    selection="$selection or (test_cuda_ddp and in_backward)"
+  fi
+  # memcheck sees allocations, not the caching allocator's blocks: one cudaMalloc per tensor
+  [ "$tool" = memcheck ] && pre+=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+  out=$OUT_DIR/logs/sanitizer-$tool.out
+  echo "limit ${limit}s: $bin --tool $tool on ${files[*]} -k '$selection'"
+  (cd "$REPO" && timeout -k 10 "$limit" "${pre[@]}" "$bin" --tool "$tool" --target-processes all \
+    --report-api-errors no --print-limit 20 \
+    "$PYTHON" -m pytest -x -q -p no:cacheprovider "${files[@]}" -k "$selection") >"$out" 2>&1
+  status=$?
+  cat "$out"
+  # one summary per process: "ERROR SUMMARY: N errors"; racecheck's is
+  # "RACECHECK SUMMARY: H hazards displayed (N errors, W warnings)"
+  echo "summary lines:"
+  grep -aE '(ERROR|RACECHECK) SUMMARY' "$out"
+  summaries=$(grep -acE '(ERROR|RACECHECK) SUMMARY' "$out")
+  errors=$(grep -aoE 'ERROR SUMMARY: [0-9]+|RACECHECK SUMMARY: .*\([0-9]+ error' "$out" |
+    grep -oE '[0-9]+( error)?$' | awk '{n += $1} END {print n + 0}')
+  echo "compute-sanitizer $tool: ERROR SUMMARY: $errors errors ($summaries summary lines," \
+    "test exit status $status)" | tee "$OUT_DIR/logs/sanitizer-$tool.log.note"
+  [ "$status" = 0 ] && [ "$summaries" -gt 0 ] && [ "$errors" = 0 ] && return 0
+  [ "$status" = 0 ] && return 1
+  return "$status"
+}
+
+part_build() {
+  if [ "$SMOKE" = 1 ]; then
+    skip build build "smoke run: the installed leanddp is used"
+  else
+    step build build build_leanddp
+  fi
+}
+
+part_tests() {
+  if [ "$SMOKE" = 1 ]; then
+    skip tests pytest "smoke run: no GPU"
+    return 0
+  fi
+  local start=$PART_START files=("${OPS_TESTS[@]}" tests/test_offload.py) tool left runs=3 limit
+  [ -f "$REPO/$DDP_TESTS" ] && files+=("$DDP_TESTS")
+  # pytest gets what the build left and the three sanitizer runs do not need at least
+  step tests pytest timeout -k 10 $((TESTS_BUDGET_S - (SECONDS - start) - 3 * SANITIZER_MIN_S)) \
+    "$PYTHON" -m pytest -q -p no:cacheprovider "${files[@]}"
+  for tool in memcheck racecheck synccheck; do
+    left=$((TESTS_BUDGET_S - (SECONDS - start)))
+    limit=$((left / runs))
+    ((limit > SANITIZER_MAX_S)) && limit=$SANITIZER_MAX_S
+    ((limit < SANITIZER_MIN_S)) && limit=$SANITIZER_MIN_S
+    runs=$((runs - 1))
+    step tests "sanitizer-$tool" sanitize "$tool" "$limit"
+  done
+}
+
+part_bench() {
+  # GPU: memory_timeline ~30 s (fp32 and bf16, batch 1 x seq 128, the plain model and 4
+  # configurations each); step_time ~2-3 min (GPT-2 small, batch 8 x seq 1024; 2 dtypes x 2
+  # accumulations x 5 configurations x (2 warm-up + 7 rounds x 3) steps; offload_to_cpu's steps
+  # are bound by the host AdamW); bench_ops ~30 s. The limits only stop a run that hangs.
+  local memory=(--dtypes fp32,bf16) steps=(--model gpt2 --dtype bf16,fp32) limits=(180 300 120)
+  rm -f "$OUT_DIR"/{memory_timeline,step_time,bench_ops}.json "$OUT_DIR"/*.png "$OUT_DIR/report.md"
+  if [ "$SMOKE" = 1 ]; then
+    memory=(--smoke) steps=(--smoke) limits=(120 120 0)
+  fi
+  step bench memory_timeline timeout -k 10 "${limits[0]}" \
+    "$PYTHON" "$HERE/memory_timeline.py" "${memory[@]}" --out "$OUT_DIR"
+  step bench step_time timeout -k 10 "${limits[1]}" \
+    "$PYTHON" "$HERE/step_time.py" "${steps[@]}" --out "$OUT_DIR"
+  if [ "$SMOKE" = 1 ]; then
+    skip bench bench_ops "smoke run: CUDA only"
+  else
+    step bench bench_ops timeout -k 10 "${limits[2]}" \
+      "$PYTHON" "$REPO/benchmarks/bench_ops.py" --device cuda --out "$OUT_DIR"
+  fi
+  step bench report "$PYTHON" "$HERE/report.py" "$OUT_DIR"
+}
+
+main() {
+  cd "$REPO"
+  say "part $PART$([ "$SMOKE" = 1 ] && echo ' (smoke: CPU, tiny model)'), output in $OUT_DIR"
+  if [ "$SMOKE" = 0 ] &&
+    ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+    echo "no GPU is visible to $PYTHON's torch: use --smoke (LEANDDP_GPU_SMOKE=1) for the CPU check"
+    exit 1
+  fi
+  "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
+  # this invocation's rows replace those of the same parts from an earlier one
+  touch "$STEPS"
+  if [ "$PART" = all ]; then : >"$STEPS"; else
+    grep -v "^$PART: " "$STEPS" >"$STEPS.tmp" || true
+    mv "$STEPS.tmp" "$STEPS"
+  fi
+  PART_START=$SECONDS  # the tests part's budget counts its build too
+  case $PART in
+    all)
+      part_build
+      PART_START=$SECONDS
+      part_tests
+      part_bench
+      ;;
+    build) part_build ;;
+    *)
+      part_build
+      "part_$PART"
+      ;;
+  esac
+  say "done in $SECONDS s; steps:"
+  column -t -s $'\t' "$STEPS" 2>/dev/null || cat "$STEPS"
+  if ((${#FAILED[@]})); then
+    say "FAILED: ${FAILED[*]}"
+    exit 1
+  fi
+}
+
+main 2>&1 | tee -a "$OUT_DIR/run.log"
+exit "${PIPESTATUS[0]}"
