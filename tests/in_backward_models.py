@@ -51,11 +51,12 @@ OPTIMIZERS: dict[str, Factory] = {
 
 
 class Deep(nn.Module):
-    """Twelve equal layers: with a bucket cap of ``LAYER_BYTES``, one bucket per layer."""
+    """Twelve equal ``width`` x ``width`` layers: with a bucket cap of one layer's bytes
+    (``LAYER_BYTES`` at the default width), one bucket per layer."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 32) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(32, 32, bias=False) for _ in range(12))
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(12))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

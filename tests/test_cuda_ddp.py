@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 from ddp_models import Case, LockStep, Net, assert_same
 from dist_harness import run_ranks
-from in_backward_models import OPTIMIZERS, InBackwardLockStep, assert_params_close
-from torch import nn
+from in_backward_models import OPTIMIZERS, Deep, InBackwardLockStep, assert_params_close
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import leanddp
@@ -86,34 +85,22 @@ def test_two_gloo_ranks_sharing_the_gpu(body) -> None:
     run_ranks(2, body)
 
 
-class _Wide(nn.Module):
-    """Twelve 1024x1024 layers: one 4 MiB bucket each with a 4 MiB cap."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(1024, 1024, bias=False) for _ in range(12))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
-_LAYER = 1024 * 1024 * 4
+_WIDTH = 1024
+_LAYER = _WIDTH * _WIDTH * 4  # one bucket per layer of Deep(_WIDTH)
 
 
 def _memory(rank: int, world_size: int) -> None:
     """The host runs ahead of the GPU (a slow kernel queued first): gradient memory during
     backward stays within the window, not every bucket (as when steps waited for the host to see
     reductions complete)."""
-    model = _Wide().cuda()
+    model = Deep(_WIDTH).cuda()
     ddp = leanddp.DistributedDataParallel(
         model,
         device_ids=[0],
         bucket_cap_mb=_LAYER / 2**20,
         optimizer_in_backward=functools.partial(torch.optim.AdamW, lr=1e-3, fused=True),
     )
-    x = torch.randn(64, 1024, device="cuda")
+    x = torch.randn(64, _WIDTH, device="cuda")
     for _ in range(3):  # rebuild the buckets, create the optimizer state
         ddp(x).square().mean().backward()
     torch.cuda.synchronize()
@@ -126,7 +113,7 @@ def _memory(rank: int, world_size: int) -> None:
         ddp(x).square().mean().backward()
         torch.cuda.synchronize()
         peak = torch.cuda.memory_stats()["active_bytes.all.peak"] - start
-        activations = 12 * 64 * 1024 * 4 * 3
+        activations = 12 * 64 * _WIDTH * 4 * 3
         # the window's released buckets, the bucket being filled and its gradients, activations
         bound = (_C.BUCKETS_IN_FLIGHT + 2) * _LAYER + activations + 2**20
         assert peak <= bound, (peak / _LAYER, bound / _LAYER, ddp.memory_stats())

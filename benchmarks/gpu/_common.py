@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import gc
 import json
 import os
@@ -18,21 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import leanddp
 from leanddp.bench._env import environment
+from leanddp.bench._model import SIZES, ModelSize, TinyGPT
+from leanddp.bench._worker import CONFIGS, build  # noqa: F401 (the configurations, as the demo's)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: ``LEANDDP_GPU_SMOKE=1`` runs the benchmarks as ``--smoke`` does: CPU, tiny model, few steps.
 SMOKE_ENV = "LEANDDP_GPU_SMOKE"
 SMOKE_NOTE = "(cpu smoke: not a target)"
-#: name -> (wrapper, gradient_as_bucket_view, optimizer_in_backward, offload_to_cpu)
-CONFIGS = {
-    "torch DDP": ("torch", False, False, False),
-    "torch DDP + views": ("torch", True, False, False),
-    "leanddp": ("leanddp", True, False, False),
-    "leanddp + optimizer_in_backward": ("leanddp", True, True, False),
-    "leanddp + offload_to_cpu": ("leanddp", True, True, True),
-}
 #: torch's default bucket cap, and a smaller one that gives a smoke run's tiny model 13 buckets
 BUCKET_CAP_MB = 25.0
 SMOKE_BUCKET_CAP_MB = 1.0
@@ -123,27 +115,19 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def start(args: argparse.Namespace) -> tuple[ModelSize, nn.Module, torch.Generator]:
+    """The world, the model size, the model every configuration starts from (its weights), and
+    the generator of the batches every configuration sees."""
+    init_world(args.device)
+    size = SIZES[args.model]
+    torch.manual_seed(0)
+    master = TinyGPT(size)
+    return size, master, torch.Generator().manual_seed(1)
+
+
 def fresh_copy(master: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """A copy of ``master`` (same initial weights every time) on ``device`` in ``dtype``."""
     return copy.deepcopy(master).to(device=device, dtype=dtype)
-
-
-def build(name: str, model: nn.Module, device: torch.device, bucket_cap_mb: float, lr: float):
-    """The wrapped model and the optimizer the loop steps (None: stepped inside backward).
-    AdamW is fused on a GPU (fused AdamW takes fp32 and bf16 parameters there), plain on CPU."""
-    wrapper, views, in_backward, offload = CONFIGS[name]
-    adamw = functools.partial(torch.optim.AdamW, lr=lr, fused=device.type == "cuda")
-    kw: dict = dict(bucket_cap_mb=bucket_cap_mb)
-    if device.type == "cuda":
-        kw["device_ids"] = [device.index]
-    if wrapper == "torch":
-        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=views, **kw)
-        return ddp, adamw(ddp.parameters())
-    if in_backward:
-        kw.update(optimizer_in_backward=adamw, offload_to_cpu=offload)
-        return leanddp.DistributedDataParallel(model, **kw), None
-    ddp = leanddp.DistributedDataParallel(model, **kw)
-    return ddp, adamw(ddp.parameters())
 
 
 def storages_bytes(tensors: Iterable[torch.Tensor]) -> int:

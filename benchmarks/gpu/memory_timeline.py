@@ -35,7 +35,7 @@ import _common as c
 import torch
 import torch.distributed as dist
 
-from leanddp.bench._model import SIZES, TinyGPT, loss_of
+from leanddp.bench._model import SIZES, loss_of
 
 NAME = "memory_timeline"
 log = functools.partial(c.log, NAME)  # a progress line on stderr
@@ -132,7 +132,7 @@ def measure(name: str | None, master, args, dtype: str, tokens, plain: dict | No
     params = [p for p in model.parameters() if p.requires_grad]
     ddp, opt = model, None
     if name is not None:
-        ddp, opt = c.build(name, model, device, args.bucket_cap_mb, args.lr)
+        ddp, opt = c.build(name, model, args, device)
     offload = name is not None and "offload" in name
     meter = Meter(
         device, lambda: accounted(name or "plain", None if name is None else ddp, opt, params)
@@ -273,11 +273,7 @@ def main(argv: list[str]) -> int:
     """Runs the benchmark; writes its JSON (and chart) into --out, prints its table."""
     args = parse(argv)
     began = time.perf_counter()
-    c.init_world(args.device)
-    size = SIZES[args.model]
-    torch.manual_seed(0)
-    master = TinyGPT(size)  # every configuration starts from these weights
-    gen = torch.Generator().manual_seed(1)
+    size, master, gen = c.start(args)  # every configuration starts from master's weights
     tokens = torch.randint(0, size.vocab, (args.batch, args.seq + 1), generator=gen)
     tokens = tokens.to(args.device)
     log(

@@ -4,10 +4,10 @@
     python benchmarks/gpu/step_time.py --smoke --out DIR   # CPU, tiny model: checks the script
 
 One process, world size 1 (NCCL on the GPU, gloo on the CPU). For every dtype and accumulation,
-all five wrappers are built up front on copies of the same model: torch's DDP + AdamW (fused on
-a GPU, plain on the CPU) with and without gradient_as_bucket_view, leanddp with the same
-optimizer, leanddp + optimizer_in_backward and leanddp + offload_to_cpu (the same AdamW
-factory). After warm-up steps, every round runs each configuration K steps back to back (the
+all five wrappers are built up front on copies of the same model (as `python -m leanddp.bench`
+builds them): torch's DDP + AdamW(fused=True) with and without gradient_as_bucket_view, leanddp
+with the same optimizer, leanddp + optimizer_in_backward and leanddp + offload_to_cpu (the same
+AdamW factory). After warm-up steps, every round runs each configuration K steps back to back (the
 order rotates from round to round), timed around the block: torch.cuda.synchronize() +
 perf_counter on a GPU, perf_counter on the CPU; offload_to_cpu's block ends with
 ddp.synchronize(), so its host work stays inside it. A step is ``accum`` micro-batches of one
@@ -33,7 +33,7 @@ import _common as c
 import torch
 import torch.distributed as dist
 
-from leanddp.bench._model import SIZES, TinyGPT, loss_of
+from leanddp.bench._model import SIZES, loss_of
 
 NAME = "step_time"
 log = functools.partial(c.log, NAME)  # a progress line on stderr
@@ -76,7 +76,7 @@ class Run:
     def __init__(self, name: str, master, args, dtype: str) -> None:
         model = c.fresh_copy(master, args.device, c.DTYPES[dtype])
         self.name, self.steps, self.loss = name, 0, None
-        self.ddp, self.opt = c.build(name, model, args.device, args.bucket_cap_mb, args.lr)
+        self.ddp, self.opt = c.build(name, model, args, args.device)
         self.cuda = args.device.type == "cuda"
 
     def block(self, k: int, data: list[torch.Tensor], accum: int) -> float:
@@ -260,11 +260,7 @@ def main(argv: list[str]) -> int:
     """Runs the benchmark; writes its JSON (and chart) into --out, prints its table."""
     args = parse(argv)
     began = time.perf_counter()
-    c.init_world(args.device)
-    size = SIZES[args.model]
-    torch.manual_seed(0)
-    master = TinyGPT(size)  # every configuration starts from these weights
-    gen = torch.Generator().manual_seed(1)  # the same batches for every configuration
+    size, master, gen = c.start(args)  # the same weights and batches for every configuration
     shape = (args.batch, size.seq + 1)
     data = [torch.randint(0, size.vocab, shape, generator=gen).to(args.device) for _ in range(4)]
     numel = sum(p.numel() for p in master.parameters())
