@@ -424,6 +424,12 @@ void Reducer::collect_reduced(size_t index) {
   // frees it. NCCL's wait has released its own hold already (ordered by the wait).
   works_[index].reset();
   futures_[index].reset();
+  if (comm_hook_ && events_) {
+    // A future without CUDA events (gloo's) was completed once its thread had ordered the
+    // device's default stream after the result: the current stream follows that stream too.
+    const c10::Device device = bucket.flat.device();
+    stream_wait(current_stream(device), default_stream(device), *events_);
+  }
   if (comm_hook_) {
     TORCH_CHECK(result.numel() == bucket.flat.numel(),
                 "leanddp.DistributedDataParallel: the communication hook returned a tensor of ",

@@ -46,6 +46,11 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
       launched_events_[index]->block(*side);
       launched_events_[index].reset();
     }
+    // Reduced already, on this thread's current stream (the strict NaN check at the end of
+    // backward collects every bucket first): the side stream follows that stream.
+    if (collected_[index]) {
+      stream_wait(*side, current_stream(side->device()), *events_);
+    }
     on_side.emplace(*side);
   }
   collect_reduced(index);

@@ -19,6 +19,10 @@ c10::Stream current_stream(const c10::Device& device) {
   return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
 }
 
+c10::Stream default_stream(const c10::Device& device) {
+  return c10::impl::VirtualGuardImpl(device.type()).getDefaultStream(device);
+}
+
 c10::Stream pool_stream(const c10::Device& device) {
   return c10::impl::VirtualGuardImpl(device.type())
       .getStreamFromGlobalPool(device, /*isHighPriority=*/false);

@@ -24,6 +24,9 @@ bool runs_apart(const c10::Device& device);
 // The calling thread's current stream on `device`.
 c10::Stream current_stream(const c10::Device& device);
 
+// `device`'s default stream.
+c10::Stream default_stream(const c10::Device& device);
+
 // A stream of `device`'s global pool (c10 hands them out round-robin; they live for the process).
 c10::Stream pool_stream(const c10::Device& device);
 
