@@ -8,13 +8,14 @@ Run by benchmarks/gpu/run.sh (tests and compute-sanitizer); skipped where no GPU
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_models import Case, LockStep, Net, assert_same
+from ddp_models import Case, LockStep, Net, accumulate, assert_same
 from dist_harness import run_ranks
 from in_backward_models import OPTIMIZERS, Deep, InBackwardLockStep, assert_params_close
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -75,7 +76,39 @@ def _with_hooks(rank: int, world_size: int) -> None:
             assert_params_close(run, f"{hook.__name__} accum={accum} step {step}")
 
 
-@pytest.mark.parametrize("body", [_views, _in_backward, _with_hooks], ids=lambda f: f.__name__)
+def _strict(rank: int, world_size: int) -> None:
+    """check_for_nan_in_grad="strict": every bucket is collected on the caller's stream at the
+    end of backward, checked, then stepped on the side stream, which must follow that stream."""
+    factory = OPTIMIZERS["adamw"]
+    model = Net(rank=rank, f64=False).cuda()
+    ref = torch.nn.parallel.DistributedDataParallel(
+        copy.deepcopy(model), process_group=dist.new_group(), bucket_cap_mb=0.0005
+    )
+    ref_opt = factory(ref.module.parameters())
+    ours = leanddp.DistributedDataParallel(
+        copy.deepcopy(model),
+        process_group=dist.new_group(),
+        bucket_cap_mb=0.0005,
+        optimizer_in_backward=factory,
+        check_for_nan_in_grad="strict",
+    )
+    for step in range(STEPS):
+        batches = _batches(2)
+        accumulate(ref, batches)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        accumulate(ours, batches)
+        for (name, a), b in zip(
+            ref.module.named_parameters(), ours.module.parameters(), strict=True
+        ):
+            torch.testing.assert_close(
+                b, a, rtol=1e-5, atol=1e-6, msg=lambda m, n=f"{step} {name}": f"{n}: {m}"
+            )
+
+
+@pytest.mark.parametrize(
+    "body", [_views, _in_backward, _with_hooks, _strict], ids=lambda f: f.__name__
+)
 def test_nccl_world_size_1(body) -> None:
     run_ranks(1, body, backend="nccl")
 
