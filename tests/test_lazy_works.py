@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 
-import pytest
 import torch
 import torch.distributed as dist
 from ddp_models import accumulate
@@ -26,6 +26,7 @@ WINDOW = _C.BUCKETS_IN_FLIGHT
 def _lazy(rank: int, world_size: int, offload: bool, accum: int) -> None:
     register()
     group = dist.new_group(backend=LAZY_BACKEND)
+    what = f"offload={offload} accum={accum}"
     assert isinstance(group, LazyGroup)
     factory = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     model = Deep()
@@ -64,10 +65,11 @@ def _lazy(rank: int, world_size: int, offload: bool, accum: int) -> None:
         accumulate(ours, batches)
         stats = ours.memory_stats()
         # Nothing reports done by itself: the window fills up and holds.
-        assert stats["max_buckets_in_flight"] == WINDOW, (step, stats)
+        assert stats["max_buckets_in_flight"] == WINDOW, (what, step, stats)
         if accum == 1:  # (accumulation holds every bucket between micro-batches, by design)
-            assert stats["peak_bucket_bytes"] <= (WINDOW + 1) * LAYER_BYTES, (step, stats)
-        assert stats["bucket_bytes"] == 0 and all(p.grad is None for p in layers.parameters())
+            assert stats["peak_bucket_bytes"] <= (WINDOW + 1) * LAYER_BYTES, (what, step, stats)
+        assert stats["bucket_bytes"] == 0, (what, stats)
+        assert all(p.grad is None for p in layers.parameters()), what
         theirs = ref.module.state_dict()
         for name, value in ours.module.state_dict().items():
             torch.testing.assert_close(
@@ -75,20 +77,25 @@ def _lazy(rank: int, world_size: int, offload: bool, accum: int) -> None:
                 theirs[name],
                 rtol=1e-5,
                 atol=1e-6,
-                msg=lambda m, n=f"{step} {name}": f"{n}: {m}",
+                msg=lambda m, n=f"{what} step {step} {name}": f"{n}: {m}",
             )
     # Every reduction was waited for exactly once, in the order it was launched.
-    assert group.waits == group.launches, (group.launches, group.waits)
+    assert group.waits == group.launches, (what, group.launches, group.waits)
     if not offload:
         for stepped, bucket_bytes in probes[1:]:  # (the first backward runs before the rebuild)
             # When the last gradient arrives, all but the window and that gradient's own bucket
             # were stepped and released inside backward (its bucket holds the accumulated
             # gradient when there are micro-batches).
-            assert stepped >= len(layers) - 1 - WINDOW, probes
-            assert bucket_bytes <= (WINDOW + 1) * LAYER_BYTES, probes
+            assert stepped >= len(layers) - 1 - WINDOW, (what, probes)
+            assert bucket_bytes <= (WINDOW + 1) * LAYER_BYTES, (what, probes)
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["device-step", "offload"])
-@pytest.mark.parametrize("accum", [1, 2])
-def test_late_completion_still_steps_inside_backward(offload: bool, accum: int) -> None:
-    run_ranks(2, _lazy, offload, accum)
+def _all_cases(rank: int, world_size: int) -> None:
+    for offload, accum in itertools.product((False, True), (1, 2)):
+        _lazy(rank, world_size, offload, accum)
+
+
+def test_late_completion_still_steps_inside_backward() -> None:
+    """In-backward device steps and offload_to_cpu, with and without accumulation (one launch
+    of the ranks for the four cases: each case builds its own groups and wrappers)."""
+    run_ranks(2, _all_cases)

@@ -45,17 +45,9 @@ def load_bench_ops():
 def ops_verdicts(bench_ops, rows: list[dict], smoke: bool) -> list[dict]:
     """bench_ops.py's targets as verdict lines: the best leanddp implementation of each case."""
     out = []
-    for (device, case), (metric, threshold) in bench_ops.TARGETS.items():
-        ours = [
-            r
-            for r in rows
-            if (r["device"], r["case"]) == (device, case) and r["impl"].startswith("leanddp")
-        ]
-        if ours:
-            value = max(r[metric] for r in ours)
-            unit = "x anchor" if metric == "x_anchor" else "of copy bandwidth"
-            subject = f"ops {device} {case} {value:.2f} {unit}"
-            out.append(c.verdict(subject, f"target ≥ {threshold:g}", value >= threshold, smoke))
+    for device, case, metric, threshold, value in bench_ops.target_values(rows):
+        subject = f"ops {device} {case} {value:.2f} {bench_ops.UNITS[metric]}"
+        out.append(c.verdict(subject, f"target ≥ {threshold:g}", value >= threshold, smoke))
     return out
 
 
