@@ -289,9 +289,9 @@ void HostOffload::copy_back(const Job& job, const at::Tensor& weights) {
 void HostOffload::relayout(const std::vector<Bucket>& old_buckets,
                            const std::vector<Bucket>& new_buckets) {
   optimizer_->relayout(old_buckets, new_buckets);
-  // Float32 masters are views into the old buckets' weights: copy them into the new layout.
+  // Float32 masters are views into the old buckets' weights (kept alive by these views): copy
+  // them into the new layout.
   const std::vector<at::Tensor> old_masters = masters_;
-  const std::vector<HostBucket> old_host = std::move(host_);
   set_layout(new_buckets);
   for (size_t p = 0; p < params_.size(); ++p) {
     if (low_precision(p) || !old_masters[p].defined()) continue;

@@ -15,7 +15,7 @@
 //     stream, not the host), the fused step is enqueued there, the bucket's memory is recorded
 //     on that stream and released at once. The compute stream never waits for a reduction
 //     inside backward; the end of backward orders the caller's stream after the side stream, and
-//     so does every forward and every read of the optimizer's state;
+//     so do forwards and the accessors that hand out or load optimizer state (wait_idle);
 //   * either way at most ReducerOptions::buckets_in_flight buckets are launched but not finished:
 //     before another launch the oldest is stepped (waiting for its reduction) and, on a GPU, its
 //     step is waited for. Nothing else on the hot path waits for the device.
