@@ -155,7 +155,8 @@ void Reducer::load_master_weight(size_t p, const at::Tensor& value) {
 
 void Reducer::set_optimizer_groups(std::vector<OptimHyper> groups) {
   std::lock_guard<std::mutex> lock(mu_);
-  wait_idle();
+  // Host numbers only (kernels take them by value when queued): no device ordering needed.
+  wait_idle(/*host_too=*/false, /*order_device=*/false);
   if (FusedOptimizer* fused = fused_optimizer()) fused->set_groups(std::move(groups));
 }
 
