@@ -10,28 +10,35 @@
 namespace leanddp {
 namespace {
 
+using OptTensor = std::optional<at::Tensor>;
+
+OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
                at::TensorList exp_avg_sq, at::TensorList copies, const OptimHyper& h, int64_t step,
-               std::optional<double> grad_scale) {
+               at::TensorList state_steps, const StepTargets& t) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("leanddp::adam_step_", "")
                        .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                                    at::TensorList, double, double, double, double, double, int64_t,
-                                   bool, bool, std::optional<double>)>();
+                                   bool, bool, std::optional<double>, at::TensorList,
+                                   const OptTensor&, const OptTensor&, const OptTensor&)>();
   op.call(params, grads, exp_avg, exp_avg_sq, copies, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-          step, h.decoupled, h.maximize, grad_scale);
+          step, h.decoupled, h.maximize, t.grad_scale, state_steps, opt(h.lr_tensor),
+          opt(t.amp_scale), opt(t.found_inf));
 }
 
 void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
-              at::TensorList copies, const OptimHyper& h, bool first_step,
-              std::optional<double> grad_scale) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("leanddp::sgd_step_", "")
-          .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, double,
-                      double, double, bool, double, bool, bool, std::optional<double>)>();
+              at::TensorList copies, const OptimHyper& h, bool first_step, const StepTargets& t) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("leanddp::sgd_step_", "")
+                       .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                                   double, double, double, bool, double, bool, bool,
+                                   std::optional<double>, const OptTensor&, const OptTensor&,
+                                   const OptTensor&)>();
   op.call(params, grads, momentum_buffer, copies, h.lr, h.momentum, h.dampening, h.nesterov,
-          h.weight_decay, h.maximize, first_step, grad_scale);
+          h.weight_decay, h.maximize, first_step, t.grad_scale, opt(h.lr_tensor),
+          opt(t.amp_scale), opt(t.found_inf));
 }
 
 }  // namespace
@@ -48,7 +55,7 @@ FusedOptimizer::FusedOptimizer(OptimKind kind, std::vector<at::Tensor> params,
   TORCH_CHECK(group_of_.size() == params_.size(), "FusedOptimizer: one group per parameter");
   TORCH_CHECK(!params_.empty(), "FusedOptimizer: no parameters");
   const c10::Device device = params_[0].device();
-  state_options_ = at::TensorOptions(at::kFloat).device(on_host ? c10::Device(at::kCPU) : device);
+  state_options_ = at::TensorOptions().device(on_host ? c10::Device(at::kCPU) : device);
   if (on_host && device.is_cuda()) state_options_ = state_options_.pinned_memory(true);
   on_host_ = on_host;
   set_groups(std::move(groups));
@@ -69,16 +76,22 @@ size_t FusedOptimizer::num_buffers(int64_t group) const {
 
 bool FusedOptimizer::can_step(size_t p) const {
   const auto dtype = params_[p].scalar_type();
-  const bool master_kind =
-      dtype == at::kFloat || (on_host_ && (dtype == at::kBFloat16 || dtype == at::kHalf));
-  return master_kind && params_[p].is_contiguous();
+  const bool stepped = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+  return stepped && params_[p].is_contiguous();
+}
+
+at::ScalarType FusedOptimizer::state_dtype(const Bucket& bucket) const {
+  // The host steps float32 masters; on the device a bucket holds parameters of one dtype.
+  if (on_host_ || bucket.params.empty()) return at::kFloat;
+  return params_[static_cast<size_t>(bucket.params[0])].scalar_type();
 }
 
 void FusedOptimizer::ensure_state(size_t index, const Bucket& bucket, size_t buffers) {
   if (flats_.size() <= index) flats_.resize(index + 1);
   auto& flats = flats_[index];
   if (flats.size() >= buffers) return;
-  while (flats.size() < buffers) flats.push_back(at::zeros({bucket.numel}, state_options_));
+  const auto options = state_options_.dtype(state_dtype(bucket));
+  while (flats.size() < buffers) flats.push_back(at::zeros({bucket.numel}, options));
   ++generation_;
 }
 
@@ -120,19 +133,34 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
     }
     TORCH_CHECK(copies.empty() || copies.size() == params.size(),
                 "FusedOptimizer: low-precision copies for some members of a call only");
+    // GradScaler: Adam's counts are advanced on the device before the kernel reads them, and
+    // taken back where found_inf is set, as torch's fused Adam does.
+    const bool device_steps = kind_ == OptimKind::kAdam && targets.found_inf.defined();
+    std::vector<at::Tensor> steps;
+    if (device_steps) {
+      for (size_t s : slots) {
+        at::Tensor& step = step_tensors_[static_cast<size_t>(bucket.params[s])];
+        if (!step.defined()) {
+          step = at::zeros({}, at::TensorOptions(at::kFloat).device(step_device_));
+        }
+        steps.push_back(step);
+      }
+      at::_foreach_add_(steps, 1.0);
+    }
     if (kind_ == OptimKind::kAdam) {
-      adam_step(params, grads, state[0], state[1], copies, h, key.second, targets.grad_scale);
+      adam_step(params, grads, state[0], state[1], copies, h, key.second, steps, targets);
     } else {
       sgd_step(params, grads, nbuf ? state[0] : std::vector<at::Tensor>{}, copies, h,
-               key.second != 0, targets.grad_scale);
+               key.second != 0, targets);
     }
+    if (device_steps) at::_foreach_add_(steps, targets.found_inf, -1);
     for (size_t s : slots) {
       const auto p = static_cast<size_t>(bucket.params[s]);
       // As torch's in-place ops do: a tensor autograd saved from this parameter is now stale,
       // and autograd raises if a node that has not run yet still needs it.
       torch::autograd::impl::bump_version(targets.params[s]);
       if (steps_[p]++ == 0) ++generation_;  // a parameter's state appears
-      if (kind_ != OptimKind::kAdam) continue;
+      if (kind_ != OptimKind::kAdam || device_steps) continue;
       if (step_tensors_[p].defined()) {
         counters.push_back(step_tensors_[p]);
       } else {

@@ -154,6 +154,12 @@ class Reducer {
   void load_master_weight(size_t p, const at::Tensor& value);
   // The fused optimizer's live hyper-parameters, one per group (called at each forward).
   void set_optimizer_groups(std::vector<OptimHyper> groups);
+  // torch.amp.GradScaler for the next backward's steps (called at each forward; undefined
+  // tensors: none): `scale` is the scaler's scale, `found_inf` a zeroed float32 scalar. Each
+  // bucket's gradients are checked on the device before its step (set to 1 on an inf/NaN) and
+  // the kernels skip the step while it is set: the bucket that overflows and every bucket
+  // stepped after it in this backward. Fused buckets only (the caller refuses the others).
+  void set_grad_scaler(at::Tensor scale, at::Tensor found_inf);
   // Parameter p's fused optimizer state in torch's format (empty if none, or not fused); with
   // offload_to_cpu a low-precision parameter's float32 master weight is added as
   // "master_weight".
@@ -262,6 +268,7 @@ class Reducer {
   std::unique_ptr<CommHook> comm_hook_;
   std::unique_ptr<FusedOptimizer> fused_;    // optimizer_in_backward, fused buckets
   std::unique_ptr<BucketStepper> fallback_;  // optimizer_in_backward, the other buckets
+  at::Tensor amp_scale_, amp_found_inf_, amp_one_;  // set_grad_scaler (amp_one_: 1.0 there)
   std::unique_ptr<HostOffload> offload_;     // offload_to_cpu: steps every bucket on the host
 
   // Per synchronized backward; reset by prepare_for_backward().

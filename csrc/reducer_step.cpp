@@ -81,6 +81,19 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
         targets.params.push_back(params_[static_cast<size_t>(bucket.params[s])]);
       }
       targets.grads = bucket.views;
+      if (amp_scale_.defined()) {
+        // GradScaler: inf/NaN in the (scaled) gradients of this bucket sets found_inf, on the
+        // device, as GradScaler's check for fused optimizers does; the kernels read it.
+        std::vector<at::Tensor> checked;
+        for (size_t s = 0; s < mask.size(); ++s) {
+          if (mask[s]) checked.push_back(bucket.views[s]);
+        }
+        if (!checked.empty()) {
+          at::_amp_foreach_non_finite_check_and_unscale_(checked, amp_found_inf_, amp_one_);
+        }
+        targets.amp_scale = amp_scale_;
+        targets.found_inf = amp_found_inf_;
+      }
       fused->step(index, bucket, mask, targets);
     }
     if (!others.empty()) {
@@ -158,6 +171,20 @@ void Reducer::set_optimizer_groups(std::vector<OptimHyper> groups) {
   // Host numbers only (kernels take them by value when queued): no device ordering needed.
   wait_idle(/*host_too=*/false, /*order_device=*/false);
   if (FusedOptimizer* fused = fused_optimizer()) fused->set_groups(std::move(groups));
+}
+
+void Reducer::set_grad_scaler(at::Tensor scale, at::Tensor found_inf) {
+  std::lock_guard<std::mutex> lock(mu_);
+  wait_idle(/*host_too=*/false, /*order_device=*/false);  // (the last backward's steps are queued)
+  TORCH_CHECK(scale.defined() == found_inf.defined(),
+              "Reducer::set_grad_scaler: scale and found_inf go together");
+  TORCH_CHECK(!scale.defined() || !offload_,
+              "Reducer::set_grad_scaler: offload_to_cpu does not take a GradScaler");
+  if (scale.defined() && (!amp_one_.defined() || amp_one_.device() != scale.device())) {
+    amp_one_ = at::ones({}, scale.options().dtype(at::kFloat));
+  }
+  amp_scale_ = std::move(scale);
+  amp_found_inf_ = std::move(found_inf);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Reducer::optimizer_state(size_t p) const {
