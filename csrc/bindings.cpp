@@ -150,7 +150,8 @@ void bind_reducer(py::module_& m) {
       .def_readonly("peak_bucket_bytes", &leanddp::MemoryStats::peak_bucket_bytes)
       .def_readonly("max_buckets_in_flight", &leanddp::MemoryStats::max_buckets_in_flight)
       .def_readonly("host_master_bytes", &leanddp::MemoryStats::host_master_bytes)
-      .def_readonly("host_buffer_bytes", &leanddp::MemoryStats::host_buffer_bytes);
+      .def_readonly("host_buffer_bytes", &leanddp::MemoryStats::host_buffer_bytes)
+      .def_readonly("host_pinned_bytes", &leanddp::MemoryStats::host_pinned_bytes);
   py::class_<leanddp::OffloadStats>(m, "OffloadStats")
       .def_readonly("iterations", &leanddp::OffloadStats::iterations)
       .def_readonly("buckets", &leanddp::OffloadStats::buckets)
@@ -158,7 +159,8 @@ void bind_reducer(py::module_& m) {
       .def_readonly("wait_seconds", &leanddp::OffloadStats::wait_seconds)
       .def_readonly("grad_norm", &leanddp::OffloadStats::grad_norm)
       .def_readonly("master_bytes", &leanddp::OffloadStats::master_bytes)
-      .def_readonly("host_buffer_bytes", &leanddp::OffloadStats::host_buffer_bytes);
+      .def_readonly("host_buffer_bytes", &leanddp::OffloadStats::host_buffer_bytes)
+      .def_readonly("pinned_bytes", &leanddp::OffloadStats::pinned_bytes);
   py::class_<Reducer>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        const py::object& process_group, std::vector<int64_t> caps_bytes,

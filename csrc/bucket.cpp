@@ -58,9 +58,10 @@ Bucket make_bucket(const std::vector<at::Tensor>& params, const std::vector<int6
   return b;
 }
 
-void allocate_bucket(Bucket& b, const std::vector<at::Tensor>& params) {
+void allocate_bucket(Bucket& b, const std::vector<at::Tensor>& params, bool zeroed) {
   const at::Tensor& first = params.at(static_cast<size_t>(b.params.at(0)));
-  b.flat = at::zeros({b.numel}, first.options().requires_grad(false));
+  const auto options = first.options().requires_grad(false);
+  b.flat = zeroed ? at::zeros({b.numel}, options) : at::empty({b.numel}, options);
   b.views.clear();
   for (size_t k = 0; k < b.params.size(); ++k) {
     const at::Tensor& p = params[static_cast<size_t>(b.params[k])];

@@ -48,10 +48,12 @@ struct Bucket {
 Bucket make_bucket(const std::vector<at::Tensor>& params, const std::vector<int64_t>& indices,
                    bool allocate = true);
 
-// Gives `bucket` zeroed storage and its views. Views keep each parameter's strides when the
-// parameter is dense and non-overlapping (channels_last stays channels_last), and are contiguous
-// otherwise.
-void allocate_bucket(Bucket& bucket, const std::vector<at::Tensor>& params);
+// Gives `bucket` storage, zeroed if `zeroed`, and its views. Views keep each parameter's strides
+// when the parameter is dense and non-overlapping (channels_last stays channels_last), and are
+// contiguous otherwise. Uninitialized storage is for a bucket whose every slot is written before
+// it is read (the Reducer's re-allocation inside backward: each slot receives its gradient, or
+// zeros when the parameter has none).
+void allocate_bucket(Bucket& bucket, const std::vector<at::Tensor>& params, bool zeroed = true);
 
 // Drops the bucket's storage (returned to the caching allocator once no tensor refers to it).
 void release_bucket(Bucket& bucket);

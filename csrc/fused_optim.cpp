@@ -48,8 +48,9 @@ FusedOptimizer::FusedOptimizer(OptimKind kind, std::vector<at::Tensor> params,
   TORCH_CHECK(group_of_.size() == params_.size(), "FusedOptimizer: one group per parameter");
   TORCH_CHECK(!params_.empty(), "FusedOptimizer: no parameters");
   const c10::Device device = params_[0].device();
+  // On the host the state is ordinary memory: it never crosses PCIe (only offload's staging
+  // buffers are pinned), and the worker thread that steps it allocates and first touches it.
   state_options_ = at::TensorOptions(at::kFloat).device(on_host ? c10::Device(at::kCPU) : device);
-  if (on_host && device.is_cuda()) state_options_ = state_options_.pinned_memory(true);
   on_host_ = on_host;
   set_groups(std::move(groups));
 }

@@ -8,7 +8,7 @@
 // views as the `state` of the user's torch optimizer, so checkpoints have torch's format.
 //
 // With offload_to_cpu (`on_host`) the same code steps the fp32 master weights in host memory:
-// the state lives in host memory (pinned when the parameters are on a GPU), float32 whatever
+// the state lives in ordinary host memory (it never crosses PCIe), float32 whatever
 // the parameters' dtype, and the caller says what is stepped (StepTargets).
 //
 // Not thread-safe: one thread at a time (the Reducer with its lock held, or HostOffload's worker

@@ -98,7 +98,9 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
 void Reducer::ensure_allocated(size_t bucket_index) {
   Bucket& bucket = buckets_[bucket_index];
   if (bucket.allocated()) return;
-  allocate_bucket(bucket, params_);
+  // Each slot is written before the bucket is read: a gradient copied or accumulated into its
+  // view, or zeros at mark_ready for a parameter without one. So no zero fill here.
+  allocate_bucket(bucket, params_, /*zeroed=*/false);
   allocated_bytes_ += static_cast<int64_t>(bucket.flat.nbytes());
   peak_bucket_bytes_ = std::max(peak_bucket_bytes_, allocated_bytes_ + unfinished_bytes_);
 }
@@ -268,9 +270,14 @@ void Reducer::mark_ready(size_t index) {
     max_in_flight_ = std::max(max_in_flight_, static_cast<int64_t>(window_.in_flight()));
   }
   if (next_bucket_ == buckets_.size() && tracks_unused() && !local_used_work_) {
-    const at::Tensor used_cpu =
-        at::from_blob(local_used_.data(), {static_cast<int64_t>(local_used_.size())}, at::kInt);
-    local_used_reduced_ = used_cpu.to(params_[0].device(), /*non_blocking=*/false, /*copy=*/true);
+    // Through a fresh pinned buffer, without blocking the host (as torch's DDP does): the
+    // caching host allocator keeps it until the copy has run, and the next iteration's marks
+    // go to local_used_, not to memory the copy may still read.
+    const at::Device device = params_[0].device();
+    at::Tensor staged = at::empty({static_cast<int64_t>(local_used_.size())},
+                                  at::TensorOptions(at::kInt).pinned_memory(runs_apart(device)));
+    std::copy(local_used_.begin(), local_used_.end(), staged.data_ptr<int32_t>());
+    local_used_reduced_ = staged.to(device, /*non_blocking=*/true, /*copy=*/true);
     std::vector<at::Tensor> tensors{local_used_reduced_};
     try {
       local_used_work_ = process_group_->allreduce(tensors);
@@ -361,9 +368,13 @@ void Reducer::finalize() {
       } catch (...) {
         rethrow_collective_error("the reduction of which parameters are used");
       }
-      const at::Tensor reduced = local_used_reduced_.cpu();
-      const int32_t* data = reduced.data_ptr<int32_t>();
-      std::copy(data, data + used.size(), used.begin());
+      // A parameter this rank used is used: the reduced map is read (a device-to-host copy
+      // the host waits for) only if some parameter was unused here, as in torch's DDP.
+      if (std::find(local_used_.begin(), local_used_.end(), 0) != local_used_.end()) {
+        const at::Tensor reduced = local_used_reduced_.cpu();
+        const int32_t* data = reduced.data_ptr<int32_t>();
+        std::copy(data, data + used.size(), used.begin());
+      }
       if (options_.static_graph) static_used_ = used;  // a static graph keeps the first verdict
     } else if (options_.static_graph) {
       used = static_used_;
@@ -563,6 +574,7 @@ MemoryStats Reducer::memory_stats() const {
     const OffloadStats host = offload_->stats();
     stats.host_master_bytes = host.master_bytes;
     stats.host_buffer_bytes = host.host_buffer_bytes;
+    stats.host_pinned_bytes = host.pinned_bytes;
   }
   FusedOptimizer* fused = fused_optimizer();
   stats.optimizer_state_bytes = fused ? fused->state_bytes() : 0;

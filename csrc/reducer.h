@@ -92,9 +92,11 @@ struct MemoryStats {
   // buckets launched but not yet stepped and finished (optimizer_in_backward).
   int64_t peak_bucket_bytes = 0;
   int64_t max_buckets_in_flight = 0;
-  // offload_to_cpu: float32 master weights, and staging/low-precision buffers, on the host.
+  // offload_to_cpu: float32 master weights, and staging/low-precision buffers, on the host; and
+  // how many of those bytes are pinned (page-locked).
   int64_t host_master_bytes = 0;
   int64_t host_buffer_bytes = 0;
+  int64_t host_pinned_bytes = 0;
 };
 
 class Reducer {

@@ -83,6 +83,22 @@ def _mismatch(rank: int, world_size: int) -> None:
         leanddp.DistributedDataParallel(module)
 
 
+def _no_object_collectives(rank: int, world_size: int) -> None:
+    """Construction uses tensor collectives on the module's device: torch's object collectives
+    stage on the current CUDA device, which the DDP tutorial's pattern (``model.to(rank)``,
+    ``device_ids=[rank]``, no ``torch.cuda.set_device``) leaves at cuda:0 on every rank."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an object collective ran during construction")
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("all_gather_object", "broadcast_object_list", "gather_object"):
+            patch.setattr(dist, name, refuse)
+            patch.setattr(dist.distributed_c10d, name, refuse)
+        leanddp.DistributedDataParallel(Net(rank=rank))
+        _mismatch(rank, world_size)
+
+
 def _unused_without_flag(rank: int, world_size: int) -> None:
     module = Net(unused=True, rank=1)  # no rank uses `branch` or `never`
     ddp = leanddp.DistributedDataParallel(module)
@@ -188,7 +204,13 @@ def _hooks(rank: int, world_size: int, name: str) -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [_bad_input, _mismatch, _unused_without_flag, _state_dict_and_pickle, _reducer_and_logging],
+    [
+        _bad_input,
+        _no_object_collectives,
+        _unused_without_flag,
+        _state_dict_and_pickle,
+        _reducer_and_logging,
+    ],
 )
 def test_api(body) -> None:
     run_ranks(2, body)
