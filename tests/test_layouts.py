@@ -11,6 +11,7 @@ from ddp_models import Case, LockStep, assert_same
 from dist_harness import run_ranks
 from in_backward_models import OPTIMIZERS, InBackwardLockStep, assert_params_close
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from leanddp.optim import _is_dense
 
@@ -88,6 +89,37 @@ def _plain_cases(rank: int, world_size: int) -> None:
             run.step()
             for name, a, b in run.pairs():
                 assert_same(a, b, f"{what} step {step} {name}", exact=True)
+    _comm_hook_case()
+
+
+def _recording_hook(seen: dict[str, torch.Tensor], names: dict[int, str]):
+    """torch's allreduce hook, recording what GradBucket.gradients() shows for each parameter
+    (torch's are row-major views of the slices, whatever the parameter's layout)."""
+
+    def hook(state, bucket):
+        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            seen[names[id(p)]] = g.clone()  # clone keeps a dense tensor's strides
+        return default_hooks.allreduce_hook(None, bucket)
+
+    return hook
+
+
+def _comm_hook_case() -> None:
+    """A comm hook sees the bucket torch's does: the same slices (each in its parameter's memory
+    order), through the same gradients() views."""
+    run = LockStep(PermutedNet(), Case())
+    seen: list[dict[str, torch.Tensor]] = [{}, {}]
+    for ddp, record in zip((run.ref, run.ours), seen, strict=True):
+        names = {id(p): n for n, p in ddp.module.named_parameters()}
+        ddp.register_comm_hook(None, _recording_hook(record, names))
+    for step in range(STEPS):
+        run.backward([_image_batch()])
+        assert sorted(seen[0]) == sorted(seen[1]) == sorted(n for n, _, _ in run.pairs())
+        for name, a, b in run.pairs():
+            assert seen[1][name].stride() == seen[0][name].stride(), name
+            assert_same(seen[0][name], seen[1][name], f"hook step {step} {name}", exact=True)
+            assert_same(a.grad, b.grad, f"hook step {step} grad of {name}", exact=True)
+        run.step()
 
 
 def test_permuted_layouts_match_torch_ddp() -> None:
