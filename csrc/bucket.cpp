@@ -64,13 +64,26 @@ void allocate_bucket(Bucket& b, const std::vector<at::Tensor>& params, bool zero
   b.flat = zeroed ? at::zeros({b.numel}, options) : at::empty({b.numel}, options);
   b.views.clear();
   for (size_t k = 0; k < b.params.size(); ++k) {
-    const at::Tensor& p = params[static_cast<size_t>(b.params[k])];
-    if (p.is_non_overlapping_and_dense()) {
-      b.views.push_back(b.flat.as_strided(p.sizes(), p.strides(), b.offsets[k]));
-    } else {
-      b.views.push_back(b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
-    }
+    b.views.push_back(slice_like(b.flat, b.offsets[k], params[static_cast<size_t>(b.params[k])]));
   }
+}
+
+at::Tensor slice_like(const at::Tensor& flat, int64_t offset, const at::Tensor& like) {
+  if (like.is_non_overlapping_and_dense()) {
+    return flat.as_strided(like.sizes(), like.strides(), flat.storage_offset() + offset);
+  }
+  return flat.narrow(0, offset, like.numel()).view(like.sizes());
+}
+
+at::Tensor in_memory_order_of(const at::Tensor& t, const at::Tensor& view) {
+  if (view.is_contiguous()) return t;
+  // Dims by decreasing stride (ties, possible only between size-1 dims, in dim order): the
+  // permutation that makes the dense `view` contiguous.
+  std::vector<int64_t> dims(static_cast<size_t>(view.dim()));
+  for (size_t d = 0; d < dims.size(); ++d) dims[d] = static_cast<int64_t>(d);
+  std::stable_sort(dims.begin(), dims.end(),
+                   [&](int64_t a, int64_t b) { return view.stride(a) > view.stride(b); });
+  return t.permute(dims);
 }
 
 void release_bucket(Bucket& b) {

@@ -58,4 +58,16 @@ void allocate_bucket(Bucket& bucket, const std::vector<at::Tensor>& params, bool
 // Drops the bucket's storage (returned to the caching allocator once no tensor refers to it).
 void release_bucket(Bucket& bucket);
 
+// `flat`'s elements [offset, offset + like.numel()) seen with `like`'s sizes: with `like`'s
+// strides when `like` is dense and non-overlapping (the slice then holds the elements in
+// `like`'s memory order, as a bucket view does), contiguous otherwise. Optimizer state views use
+// it too, so parameter, gradient and state share one memory order.
+at::Tensor slice_like(const at::Tensor& flat, int64_t offset, const at::Tensor& like);
+
+// `t` (with `view`'s sizes) with its dims permuted so that its row-major order is `view`'s
+// memory order: flatten_into / unflatten_from of the result moves t's values into / out of the
+// slice that `view` (a slice_like() view) sees, whatever t's own strides, as one linear copy when
+// t has view's strides. `t` itself when `view` is contiguous.
+at::Tensor in_memory_order_of(const at::Tensor& t, const at::Tensor& view);
+
 }  // namespace leanddp

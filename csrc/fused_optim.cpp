@@ -72,7 +72,11 @@ bool FusedOptimizer::can_step(size_t p) const {
   const auto dtype = params_[p].scalar_type();
   const bool master_kind =
       dtype == at::kFloat || (on_host_ && (dtype == at::kBFloat16 || dtype == at::kHalf));
-  return master_kind && params_[p].is_contiguous();
+  // On the device, any dense layout: the parameter, its bucket view and its state (state_view)
+  // share its strides, so the kernels step them element by element in memory order. The host
+  // step (offload_to_cpu) copies through contiguous flat host buffers.
+  return master_kind &&
+         (on_host_ ? params_[p].is_contiguous() : params_[p].is_non_overlapping_and_dense());
 }
 
 void FusedOptimizer::ensure_state(size_t index, const Bucket& bucket, size_t buffers) {
@@ -85,8 +89,8 @@ void FusedOptimizer::ensure_state(size_t index, const Bucket& bucket, size_t buf
 
 at::Tensor FusedOptimizer::state_view(size_t index, const Bucket& bucket, size_t slot,
                                       size_t k) const {
-  const at::Tensor& p = params_[static_cast<size_t>(bucket.params[slot])];
-  return flats_[index][k].narrow(0, bucket.offsets[slot], p.numel()).view(p.sizes());
+  return slice_like(flats_[index][k], bucket.offsets[slot],
+                    params_[static_cast<size_t>(bucket.params[slot])]);
 }
 
 void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<char>& mask,
@@ -170,8 +174,7 @@ void FusedOptimizer::relayout(const std::vector<Bucket>& old_buckets,
       for (size_t k = 0; k < old_flats[ob].size(); ++k) {
         const Bucket& old_bucket = old_buckets[ob];
         const at::Tensor& p = params_[static_cast<size_t>(bucket.params[s])];
-        state_view(b, bucket, s, k)
-            .copy_(old_flats[ob][k].narrow(0, old_bucket.offsets[os], p.numel()).view(p.sizes()));
+        state_view(b, bucket, s, k).copy_(slice_like(old_flats[ob][k], old_bucket.offsets[os], p));
       }
     }
   }

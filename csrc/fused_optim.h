@@ -66,9 +66,10 @@ class FusedOptimizer {
 
   // Replaces the hyper-parameters (one per group), read by the next steps.
   void set_groups(std::vector<OptimHyper> groups);
-  // Whether the kernels can step parameter p: contiguous and float32 (or, on the host, where
-  // float32 masters are stepped, bfloat16/float16). Fixed for a parameter, whatever bucket it
-  // is in, so its state never moves between this and the fallback.
+  // Whether the kernels can step parameter p: float32 and dense in any layout (contiguous,
+  // channels_last, transposed; its state is laid out like it), or, on the host, where float32
+  // masters are stepped, contiguous float32/bfloat16/float16. Fixed for a parameter, whatever
+  // bucket it is in, so its state never moves between this and the fallback.
   bool can_step(size_t p) const;
   // Steps the members of bucket `index` whose `mask[slot]` is set (all of which can_step):
   // `targets` per slot; allocates the bucket's state at its first step. Bumps the version

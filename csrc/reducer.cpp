@@ -298,7 +298,9 @@ void Reducer::launch(size_t bucket_index) {
   for (size_t s = 0; s < bucket.params.size(); ++s) {
     const at::Tensor& src = sources_[static_cast<size_t>(bucket.params[s])];
     copies = copies || src.defined();
-    sources.push_back(src.defined() ? src : bucket.views[s]);
+    // A gradient of its own goes into the slice in the view's memory order (a linear copy when
+    // it has the view's strides, e.g. channels_last).
+    sources.push_back(src.defined() ? in_memory_order_of(src, bucket.views[s]) : bucket.views[s]);
   }
   // One pass: copy what is not in place yet and divide by the world size.
   if (copies || scale) flatten_into(sources, bucket.flat, scale);
@@ -478,7 +480,13 @@ void Reducer::write_reduced_grads(size_t bucket_index, const std::vector<int32_t
     grads.push_back(grad);
   }
   if (all_used) {
-    unflatten_from(bucket.flat, grads);  // one pass for the whole bucket
+    // One pass for the whole bucket, each slice read in its view's memory order.
+    std::vector<at::Tensor> targets;
+    targets.reserve(grads.size());
+    for (size_t s = 0; s < grads.size(); ++s) {
+      targets.push_back(in_memory_order_of(grads[s], bucket.views[s]));
+    }
+    unflatten_from(bucket.flat, targets);
     return;
   }
   for (size_t s = 0; s < bucket.params.size(); ++s) {

@@ -8,9 +8,12 @@ scheduler changes and its ``state_dict()`` has exactly torch's format.
 * torch.optim.SGD, Adam and AdamW with options leanddp's fused kernels cover are stepped in
   C++ (``FusedOptimizer`` in csrc/fused_optim.h) on float32 buckets: their state lives in flat
   per-bucket buffers, and ``optimizer.state`` holds views of it.
-* Every other case (another class, an option the kernels lack, a non-float32 or non-contiguous
-  parameter) is stepped by a per-bucket instance of the user's class over that bucket's
-  parameters, sharing ``optimizer.state`` (:class:`_FallbackStepper`).
+  A parameter in another dense layout (channels_last, a transposed matrix) is stepped there too:
+  its gradient view and its state keep its strides, so the kernels go through memory in order.
+* Every other case (another class, an option the kernels lack, a non-float32 parameter or one
+  with gaps or overlaps, such as a strided slice) is stepped by a per-bucket instance of the
+  user's class over that bucket's parameters, sharing ``optimizer.state``
+  (:class:`_FallbackStepper`).
 * With ``offload_to_cpu`` every parameter is stepped on the host by the fused kernels
   (``HostOffload`` in csrc/offload.h): the state is in host memory, and bfloat16/float16
   parameters get float32 master weights there, exposed as ``state[p]["master_weight"]``.
@@ -104,6 +107,19 @@ def check_offload(
             )
 
 
+def _is_dense(t: Tensor) -> bool:
+    """Whether ``t`` is non-overlapping and dense in some layout (c10's
+    ``is_non_overlapping_and_dense``, which is what the C++ side's ``can_step`` asks): its
+    elements, ordered by stride, fill exactly ``numel`` consecutive slots."""
+    expected = 1
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz >= 2)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def fused_kind(optimizer: torch.optim.Optimizer | type) -> str:
     """ "sgd" or "adam" when leanddp's fused kernels can step this optimizer (or class), else
     ""."""
@@ -155,7 +171,8 @@ class InBackward:
         self.group_of = group_of
         self.offload = (offload, offload_threads, max_grad_norm)
         dtypes = _MASTER_DTYPES if offload else (torch.float32,)
-        self.fused = [bool(self.kind) and p.dtype in dtypes and p.is_contiguous() for p in params]
+        layout_ok = Tensor.is_contiguous if offload else _is_dense
+        self.fused = [bool(self.kind) and p.dtype in dtypes and layout_ok(p) for p in params]
         self._generation = -1
         self.loading = False  # inside optimizer.load_state_dict(): the state is the loaded one
         on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)

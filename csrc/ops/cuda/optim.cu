@@ -45,8 +45,9 @@ struct SgdRule {
 
 template <typename Rule, typename G, typename C, bool kCopy>
 __global__ void __launch_bounds__(kThreads)
-    optim_kernel(const OptimTensor* __restrict__ tensors, const Chunk* __restrict__ chunks,
-                 Rule rule) {
+    optim_kernel(const __grid_constant__ MetaArg meta, Rule rule) {
+  const OptimTensor* tensors = meta.array<OptimTensor>(0);
+  const Chunk* chunks = meta.array<Chunk>(1);
   const Chunk ch = chunks[blockIdx.x];
   const OptimTensor t = tensors[ch.tensor];
   const int64_t begin = chunk_begin(ch, kChunkElems);
@@ -91,6 +92,12 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// An upper bound of the metadata bytes launch_optim adds for `params`.
+size_t meta_bound(at::TensorList params) {
+  return meta_bytes<OptimTensor>(params.size()) +
+         meta_bytes<Chunk>(chunk_bound(params, kChunkElems));
+}
+
 // Launches optim_kernel<Rule, ...> over `params` with the grad and copy dtypes of the lists.
 template <typename Rule>
 void launch_optim(const Rule& rule, at::TensorList params, at::TensorList grads,
@@ -111,9 +118,9 @@ void launch_optim(const Rule& rule, at::TensorList params, at::TensorList grads,
   const auto chunks = plan_chunks(numels, kChunkElems);
   if (chunks.empty()) return;
   LaunchMeta meta;
-  const size_t tensors_at = meta.add(tensors);
-  const size_t chunks_at = meta.add(chunks);
-  meta.upload(params[0].device());
+  meta.add(tensors);  // array 0
+  meta.add(chunks);   // array 1
+  const MetaArg& meta_arg = meta.finish(params[0].device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
 
   auto with_copy = [&](auto grad_tag) {
@@ -121,8 +128,7 @@ void launch_optim(const Rule& rule, at::TensorList params, at::TensorList grads,
     auto go = [&](auto copy_tag, auto has_copy) {
       using C = typename decltype(copy_tag)::type;
       optim_kernel<Rule, G, C, decltype(has_copy)::value>
-          <<<static_cast<unsigned>(chunks.size()), kThreads, 0, stream>>>(
-              meta.at<OptimTensor>(tensors_at), meta.at<Chunk>(chunks_at), rule);
+          <<<static_cast<unsigned>(chunks.size()), kThreads, 0, stream>>>(meta_arg, rule);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (param_copy.empty()) {
@@ -151,7 +157,7 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     bool decoupled_weight_decay, bool maximize, std::optional<double> grad_scale) {
   check_adam_args(params, grads, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps,
                   weight_decay, step, grad_scale);
-  refuse_graph_capture("leanddp::adam_step_");
+  refuse_graph_capture("leanddp::adam_step_", meta_bound(params));
   const AdamRule rule{make_adam_consts(lr, beta1, beta2, eps, weight_decay, step,
                                        decoupled_weight_decay, maximize, grad_scale)};
   launch_optim(rule, params, grads, exp_avg, exp_avg_sq, param_copy);
@@ -163,7 +169,7 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
                    std::optional<double> grad_scale) {
   check_sgd_args(params, grads, momentum_buffer, param_copy, lr, momentum, dampening, nesterov,
                  weight_decay, grad_scale);
-  refuse_graph_capture("leanddp::sgd_step_");
+  refuse_graph_capture("leanddp::sgd_step_", meta_bound(params));
   const auto consts = make_sgd_consts(lr, momentum, dampening, nesterov, weight_decay, maximize,
                                       first_step, grad_scale);
   if (momentum_buffer.empty()) {
