@@ -216,6 +216,14 @@ def _flat_only_hook(state: object, bucket: object) -> torch.futures.Future:
     return default_hooks.allreduce_hook(state, bucket)
 
 
+def _dense_result_hook(state: object, bucket: object) -> torch.futures.Future:
+    if not bucket.buffer().is_sparse:
+        return default_hooks.allreduce_hook(state, bucket)
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(bucket.buffer().to_dense())  # a dense result for a sparse bucket
+    return future
+
+
 def _errors(rank: int, world_size: int) -> None:
     idx = torch.randint(0, VOCAB, (BATCH, 3))
     ddp = leanddp.DistributedDataParallel(_FunctionalSparse(), process_group=dist.new_group())
@@ -224,6 +232,12 @@ def _errors(rank: int, world_size: int) -> None:
     ddp = leanddp.DistributedDataParallel(SparseNet(), process_group=dist.new_group())
     ddp.register_comm_hook(ddp.process_group, _flat_only_hook)
     with pytest.raises(RuntimeError, match="communication hook failed on the sparse gradient of"):
+        ddp(idx, torch.randn(BATCH, DIM)).sum().backward()
+    ddp = leanddp.DistributedDataParallel(SparseNet(), process_group=dist.new_group())
+    ddp.register_comm_hook(ddp.process_group, _dense_result_hook)
+    with pytest.raises(
+        RuntimeError, match=r"returned .* for the sparse gradient of (emb|bag)\.weight"
+    ):
         ddp(idx, torch.randn(BATCH, DIM)).sum().backward()
 
 
