@@ -10,8 +10,11 @@ namespace leanddp {
 
 std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& params,
                                                  const std::vector<int64_t>& order,
-                                                 const std::vector<int64_t>& caps_bytes) {
+                                                 const std::vector<int64_t>& caps_bytes,
+                                                 const std::vector<bool>& sparse) {
   TORCH_CHECK(!caps_bytes.empty(), "assign_buckets: no bucket cap given");
+  TORCH_CHECK(sparse.empty() || sparse.size() == params.size(),
+              "assign_buckets: one sparse flag per parameter");
   using Key = std::tuple<int, int, int>;  // device type, device index, dtype
   struct Open {
     std::vector<int64_t> indices;
@@ -23,6 +26,10 @@ std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& 
   std::vector<std::vector<int64_t>> buckets;
   for (int64_t i : order) {
     const at::Tensor& p = params.at(static_cast<size_t>(i));
+    if (!sparse.empty() && sparse[static_cast<size_t>(i)]) {
+      buckets.push_back({i});
+      continue;
+    }
     Key key{static_cast<int>(p.device().type()), p.device().index(),
             static_cast<int>(p.scalar_type())};
     auto [it, inserted] = open.try_emplace(key);
@@ -46,19 +53,22 @@ std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& 
 }
 
 Bucket make_bucket(const std::vector<at::Tensor>& params, const std::vector<int64_t>& indices,
-                   bool allocate) {
+                   bool allocate, bool sparse) {
   TORCH_CHECK(!indices.empty(), "make_bucket: empty bucket");
+  TORCH_CHECK(!sparse || indices.size() == 1, "make_bucket: a sparse bucket holds one parameter");
   Bucket b;
   b.params = indices;
+  b.sparse = sparse;
   for (int64_t i : indices) {
     b.offsets.push_back(b.numel);
     b.numel += params.at(static_cast<size_t>(i)).numel();
   }
-  if (allocate) allocate_bucket(b, params);
+  if (allocate && !sparse) allocate_bucket(b, params);
   return b;
 }
 
 void allocate_bucket(Bucket& b, const std::vector<at::Tensor>& params, bool zeroed) {
+  TORCH_CHECK(!b.sparse, "allocate_bucket: a sparse bucket has no flat storage");
   const at::Tensor& first = params.at(static_cast<size_t>(b.params.at(0)));
   const auto options = first.options().requires_grad(false);
   b.flat = zeroed ? at::zeros({b.numel}, options) : at::empty({b.numel}, options);

@@ -18,7 +18,7 @@ using torch::autograd::variable_list;
 
 // True when `grad` is exactly `view` (same storage, offset, sizes and strides).
 bool is_view(const at::Tensor& grad, const at::Tensor& view) {
-  return grad.defined() && grad.is_alias_of(view) &&
+  return grad.defined() && !grad.is_sparse() && grad.is_alias_of(view) &&
          grad.storage_offset() == view.storage_offset() && grad.sizes() == view.sizes() &&
          grad.strides() == view.strides();
 }
@@ -49,6 +49,13 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   TORCH_CHECK(names_.size() == params_.size(), "Reducer: one name per parameter");
   TORCH_CHECK(process_group_, "Reducer: no process group");
   div_factor_ = static_cast<double>(process_group_->getSize());
+  TORCH_CHECK(options_.expect_sparse.empty() || options_.expect_sparse.size() == params_.size(),
+              "Reducer: one expect_sparse flag per parameter");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    TORCH_CHECK(!(options_.step_in_backward && expects_sparse(i)),
+                "leanddp.DistributedDataParallel: parameter ", names_[i],
+                " gets sparse gradients, which optimizer_in_backward cannot step");
+  }
   if (window_.device_ordered()) {
     const c10::Device device = params_.front().device();
     events_ = std::make_unique<EventPool>(device.type());
@@ -58,7 +65,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   grad_was_view_.assign(n, 0);
   std::vector<int64_t> order(n);
   for (size_t i = 0; i < n; ++i) order[i] = static_cast<int64_t>(n - 1 - i);
-  build_buckets(assign_buckets(params_, order, options_.caps_bytes));
+  build_buckets(assign_buckets(params_, order, options_.caps_bytes, options_.expect_sparse));
   reset_iteration_state();
   local_used_.assign(n, 0);
   for (size_t i = 0; i < n; ++i) {
@@ -90,7 +97,8 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
     for (size_t s = 0; s < indices.size(); ++s) {
       location_[static_cast<size_t>(indices[s])] = {buckets_.size(), s};
     }
-    buckets_.push_back(make_bucket(params_, indices, !options_.step_in_backward));
+    const bool sparse = indices.size() == 1 && expects_sparse(static_cast<size_t>(indices[0]));
+    buckets_.push_back(make_bucket(params_, indices, !options_.step_in_backward, sparse));
     if (buckets_.back().allocated()) allocated_bytes_ += buckets_.back().flat.nbytes();
   }
 }
@@ -146,7 +154,10 @@ void Reducer::reset_iteration_state() {
   nan_params_.clear();
   local_used_reduced_ = at::Tensor();
   local_used_work_.reset();
-  for (Bucket& b : buckets_) b.pending = b.params.size();
+  for (Bucket& b : buckets_) {
+    b.pending = b.params.size();
+    b.sparse_grad = at::Tensor();
+  }
 }
 
 std::vector<std::string> Reducer::prepare_for_forward() {
@@ -215,12 +226,14 @@ void Reducer::autograd_hook(size_t index) {
     // no_sync() or a backward not prepared by a forward: accumulate locally, in the views. A
     // parameter used here is used in the next synchronized step, as in torch's DDP.
     if (params_[index].grad().defined()) local_used_[index] = 1;
-    if (!options_.gradient_as_bucket_view) return;
+    // (a sparse gradient accumulates in param.grad, by autograd)
+    if (!options_.gradient_as_bucket_view || expects_sparse(index)) return;
     at::Tensor& grad = params_[index].mutable_grad();
     const auto [b, s] = location_[index];
     ensure_allocated(b);
     const at::Tensor& view = buckets_[b].views[s];
     if (grad.defined() && !is_view(grad, view)) {
+      check_dense_grad(index, grad);
       view.copy_(grad);
       grad = view;
       grad_was_view_[index] = 1;
@@ -252,10 +265,13 @@ void Reducer::mark_ready(size_t index) {
   const auto [b, s] = location_[index];
   Bucket& bucket = buckets_[b];
   const at::Tensor& grad = params_[index].grad();
-  if (!grad.defined()) {
+  if (bucket.sparse) {
+    // taken from param.grad at launch (launch_sparse)
+  } else if (!grad.defined()) {
     ensure_allocated(b);
     bucket.views[s].zero_();  // no gradient on this rank: contribute zeros
   } else if (!bucket.allocated() || !is_view(grad, bucket.views[s])) {
+    check_dense_grad(index, grad);
     sources_[index] = grad;  // copied (and scaled) into the slice at launch
   }
   --bucket.pending;
@@ -289,6 +305,7 @@ void Reducer::mark_ready(size_t index) {
 }
 
 void Reducer::launch(size_t bucket_index) {
+  if (buckets_[bucket_index].sparse) return launch_sparse(bucket_index);
   ensure_allocated(bucket_index);
   Bucket& bucket = buckets_[bucket_index];
   const std::optional<double> scale =
@@ -421,6 +438,7 @@ void Reducer::finalize() {
 
 void Reducer::collect_reduced(size_t index) {
   if (collected_[index]) return;
+  if (buckets_[index].sparse) return collect_sparse(index);
   Bucket& bucket = buckets_[index];
   at::Tensor result;
   try {
@@ -458,6 +476,7 @@ void Reducer::collect_reduced(size_t index) {
 
 void Reducer::write_reduced_grads(size_t bucket_index, const std::vector<int32_t>& used) {
   Bucket& bucket = buckets_[bucket_index];
+  if (bucket.sparse) return write_sparse_grad(bucket_index, used);
   if (options_.gradient_as_bucket_view) {
     for (size_t s = 0; s < bucket.params.size(); ++s) {
       const auto p = static_cast<size_t>(bucket.params[s]);
@@ -529,7 +548,7 @@ bool Reducer::rebuild_buckets() {
   }
   at::NoGradGuard no_grad;
   const std::vector<Bucket> old_buckets = std::move(buckets_);
-  build_buckets(assign_buckets(params_, order, options_.caps_bytes));
+  build_buckets(assign_buckets(params_, order, options_.caps_bytes, options_.expect_sparse));
   if (offload_) {
     offload_->relayout(old_buckets, buckets_);
   } else if (fused_) {
@@ -538,7 +557,7 @@ bool Reducer::rebuild_buckets() {
   if (options_.gradient_as_bucket_view) {
     for (size_t i = 0; i < n; ++i) {
       at::Tensor& grad = params_[i].mutable_grad();
-      if (!grad.defined()) continue;
+      if (!grad.defined() || expects_sparse(i)) continue;  // sparse: never a view
       const auto [b, s] = location_[i];
       ensure_allocated(b);
       buckets_[b].views[s].copy_(grad);
@@ -592,7 +611,10 @@ MemoryStats Reducer::memory_stats() const {
     const at::Tensor& grad = params_[i].grad();
     if (!grad.defined()) continue;
     const auto [b, s] = location_[i];
-    if (buckets_[b].allocated() && is_view(grad, buckets_[b].views[s])) {
+    if (grad.is_sparse()) {
+      ++stats.grads_outside;
+      stats.grad_bytes += static_cast<int64_t>(grad._indices().nbytes() + grad._values().nbytes());
+    } else if (buckets_[b].allocated() && is_view(grad, buckets_[b].views[s])) {
       ++stats.grads_as_views;
     } else {
       ++stats.grads_outside;

@@ -27,12 +27,6 @@ def test_subclass_accepts_torchs_arguments() -> None:
     assert ours["gradient_as_bucket_view"].default is True
 
 
-class _Sparse(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(10, 4, sparse=True)
-
-
 class _TwoDevices(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -53,7 +47,6 @@ _BAD = [
     (dict(offload_threads=2), ValueError, "offload_threads is meaningful only with"),
     (dict(max_grad_norm=1.0), ValueError, "max_grad_norm needs optimizer_in_backward"),
     (dict(check_for_nan_in_grad="yes"), ValueError, "check_for_nan_in_grad must be True, False"),
-    (dict(module=_Sparse()), ValueError, "'emb' produces sparse gradients"),
     (dict(module=_TwoDevices()), ValueError, "several devices"),
     (dict(module=torch.nn.Linear(2, 2).requires_grad_(False)), ValueError, "no parameter"),
 ]

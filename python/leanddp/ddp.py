@@ -52,6 +52,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     steps to the end of backward so that no weight changes, holding every gradient bucket until
     then. See docs/reliability.md for what happens on errors.
 
+    Parameters of ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` get sparse
+    gradients, reduced as torch's DDP reduces them (a bucket of their own, the process group's
+    sparse allreduce, ``param.grad`` a sparse tensor, never a view); not with
+    ``optimizer_in_backward``.
+
     Construction broadcasts parameters and buffers from rank 0 and checks that every rank
     holds the same parameters (a collective every rank must enter), unless
     ``init_sync=False``.
@@ -204,6 +209,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         named = self._named_trainable
         self._params = [p for _, p in named]
         self._param_names = [name for name, _ in named]
+        sparse = set(self._config.sparse_names)
         self.reducer = _C.Reducer(
             self._params,
             [name for name, _ in named],
@@ -214,6 +220,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.static_graph,
             self._in_backward is not None,
             self._config.nan_check,
+            [name in sparse for name in self._param_names],
         )
         if self._in_backward is not None:
             self._in_backward.attach(self.reducer)
@@ -324,7 +331,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._comm_hooks.append((hook, state))
 
     def _attach_comm_hook(self, hook: Callable, state: object) -> None:
-        self.reducer.register_comm_hook(_comm.make_launcher(hook, state, self._params))
+        self.reducer.register_comm_hook(
+            _comm.make_launcher(hook, state, self._params, self._param_names)
+        )
 
     def _set_static_graph(self) -> None:
         """torch's switch: declares the set of used parameters fixed (before the first step)."""
