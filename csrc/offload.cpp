@@ -323,25 +323,32 @@ void HostOffload::load_master(size_t p, const at::Tensor& value) {
 
 at::Tensor& HostOffload::ensure_master(size_t p) {
   if (!masters_[p].defined()) {
-    const auto [b, s] = location_[p];
-    TORCH_CHECK(b < layout_.size(), "HostOffload: parameter ", p, " is in no bucket");
-    const at::Tensor& param = params_[p];
-    at::Tensor& masters = host_[b].masters;
-    if (low_precision(p) && !masters.defined()) {  // ordinary memory: never crosses PCIe
-      masters = at::empty({layout_[b].numel}, at::TensorOptions(at::kFloat));
+    if (low_precision(p)) {
+      at::Tensor& masters = host_[bucket_of(p)].masters;
+      if (!masters.defined()) {  // ordinary memory: never crosses PCIe
+        masters = at::empty({layout_[bucket_of(p)].numel}, at::TensorOptions(at::kFloat));
+      }
+      masters_[p] = slot(p, masters);
+    } else {
+      masters_[p] = weights_slot(p);
     }
-    const at::Tensor& block = low_precision(p) ? masters : ensure_weights(b);
-    masters_[p] = block.narrow(0, layout_[b].offsets[s], param.numel()).view(param.sizes());
     ++generation_;
   }
   return masters_[p];
 }
 
-at::Tensor HostOffload::weights_slot(size_t p) {
-  const auto [b, s] = location_[p];
+at::Tensor HostOffload::weights_slot(size_t p) { return slot(p, ensure_weights(bucket_of(p))); }
+
+size_t HostOffload::bucket_of(size_t p) const {
+  const size_t b = location_[p].first;
   TORCH_CHECK(b < layout_.size(), "HostOffload: parameter ", p, " is in no bucket");
+  return b;
+}
+
+at::Tensor HostOffload::slot(size_t p, const at::Tensor& block) const {
+  const auto [b, s] = location_[p];
   const at::Tensor& param = params_[p];
-  return ensure_weights(b).narrow(0, layout_[b].offsets[s], param.numel()).view(param.sizes());
+  return block.narrow(0, layout_[b].offsets[s], param.numel()).view(param.sizes());
 }
 
 at::Tensor& HostOffload::ensure_weights(size_t b) {

@@ -153,8 +153,11 @@ class HostOffload {
   // Parameter p's master, allocated at first use: a view into its bucket's `weights` (float32)
   // or `masters` (bf16/fp16).
   at::Tensor& ensure_master(size_t p);
-  // Parameter p's slot of bucket b's `weights` (allocated at first use).
+  // Parameter p's slot of its bucket's `weights` (allocated at first use).
   at::Tensor weights_slot(size_t p);
+  // The bucket holding parameter p (checked), and p's slot of that bucket's flat `block`.
+  size_t bucket_of(size_t p) const;
+  at::Tensor slot(size_t p, const at::Tensor& block) const;
   // Bucket b's `weights` buffer, allocated at first use.
   at::Tensor& ensure_weights(size_t b);
 
