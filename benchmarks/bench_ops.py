@@ -7,6 +7,10 @@ Cases (each anchor measured in the same run, contenders interleaved round by rou
            elements: flatten_into vs torch.cat (into a preallocated out, and allocating) and
            torch._utils._flatten_dense_tensors.
   unflatten the GPT-2 list back from a flat buffer: unflatten_from vs torch._foreach_copy_.
+  layouts  24 channels_last conv weights (7M parameters): their gradient bucket views scaled in
+           place by flatten_into (one linear pass per slice) vs flat.mul_; and separate
+           channels_last tensors flattened in row-major order into a contiguous buffer (the
+           strided path) vs torch._foreach_copy_ into views of it.
   adamw    one AdamW step over the GPT-2 list: adamw_step_ over the list and over flat buffers
            (the bucket layout) vs torch.optim.AdamW(fused=True) and (foreach=True).
   copy     dst.copy_(src) of the GPT-2 size: the bandwidth every other number is compared with.
@@ -55,6 +59,7 @@ TARGETS = [  # (device, case, metric, threshold) from the project's targets
     ("cpu", "adamw gpt2", "x_anchor", 1.2),
     ("cuda", "flatten gpt2", "of_copy", 0.85),
     ("cuda", "unflatten gpt2", "of_copy", 0.85),
+    ("cuda", "scale views channels_last", "of_copy", 0.85),
     ("cuda", "adamw gpt2", "of_copy", 0.85),
     ("cuda", "adamw gpt2", "x_anchor", 1.0),
 ]
@@ -136,6 +141,51 @@ def flatten_case(name: str, ts: list[torch.Tensor]) -> Case:
     )
 
 
+# A ResNet-like stage's conv weights, kept channels_last.
+CONV_SHAPES = [(256, 128, 3, 3)] * 24
+
+
+def _channels_last(shape: tuple[int, ...], device: str) -> torch.Tensor:
+    return torch.randn(shape, device=device).contiguous(memory_format=torch.channels_last)
+
+
+def views_case(device: str) -> Case:
+    """The bucket-view case: gradients that are channels_last views of their bucket slices,
+    scaled in place (the 1/world scaling at launch). Sign flips keep the values stable."""
+    like = [_channels_last(s, "meta") for s in CONV_SHAPES]
+    flat = torch.randn(sum(t.numel() for t in like), device=device)
+    views, offset = [], 0
+    for t in like:
+        views.append(flat.as_strided(t.shape, t.stride(), offset))
+        offset += t.numel()
+    return (
+        "scale views channels_last",
+        "flat.mul_",
+        8 * flat.numel(),
+        {
+            "leanddp flatten_into (views, scale)": lambda: ops.flatten_into(views, flat, -1.0),
+            "flat.mul_": lambda: flat.mul_(-1.0),
+        },
+    )
+
+
+def permuted_case(device: str) -> Case:
+    """Separate channels_last tensors into a contiguous buffer in row-major order."""
+    ts = [_channels_last(s, device) for s in CONV_SHAPES]
+    out = torch.empty(sum(t.numel() for t in ts), device=device)
+    pieces = out.split([t.numel() for t in ts])
+    dst = [v.view(t.shape) for v, t in zip(pieces, ts, strict=True)]
+    return (
+        "flatten channels_last",
+        "torch._foreach_copy_",
+        8 * out.numel(),
+        {
+            "leanddp flatten_into": lambda: ops.flatten_into(ts, out),
+            "torch._foreach_copy_": lambda: torch._foreach_copy_(dst, ts),
+        },
+    )
+
+
 def unflatten_case(params: list[torch.Tensor]) -> Case:
     flat = torch.cat([p.view(-1) for p in params])
     targets = [torch.empty_like(p) for p in params]
@@ -199,6 +249,8 @@ def bench_device(device: str, rounds: int) -> list[dict]:
         lambda: flatten_case("flatten gpt2", params),
         lambda: flatten_case("flatten 2000 small", small),
         lambda: unflatten_case(params),
+        lambda: views_case(device),
+        lambda: permuted_case(device),
         lambda: adamw_case(params),
     ]
     timer, rows = Timer(device), []

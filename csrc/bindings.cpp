@@ -155,7 +155,8 @@ void bind_reducer(py::module_& m) {
       .def_readonly("peak_bucket_bytes", &leanddp::MemoryStats::peak_bucket_bytes)
       .def_readonly("max_buckets_in_flight", &leanddp::MemoryStats::max_buckets_in_flight)
       .def_readonly("host_master_bytes", &leanddp::MemoryStats::host_master_bytes)
-      .def_readonly("host_buffer_bytes", &leanddp::MemoryStats::host_buffer_bytes);
+      .def_readonly("host_buffer_bytes", &leanddp::MemoryStats::host_buffer_bytes)
+      .def_readonly("host_pinned_bytes", &leanddp::MemoryStats::host_pinned_bytes);
   py::class_<leanddp::OffloadStats>(m, "OffloadStats")
       .def_readonly("iterations", &leanddp::OffloadStats::iterations)
       .def_readonly("buckets", &leanddp::OffloadStats::buckets)
@@ -163,12 +164,13 @@ void bind_reducer(py::module_& m) {
       .def_readonly("wait_seconds", &leanddp::OffloadStats::wait_seconds)
       .def_readonly("grad_norm", &leanddp::OffloadStats::grad_norm)
       .def_readonly("master_bytes", &leanddp::OffloadStats::master_bytes)
-      .def_readonly("host_buffer_bytes", &leanddp::OffloadStats::host_buffer_bytes);
+      .def_readonly("host_buffer_bytes", &leanddp::OffloadStats::host_buffer_bytes)
+      .def_readonly("pinned_bytes", &leanddp::OffloadStats::pinned_bytes);
   py::class_<Reducer>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        const py::object& process_group, std::vector<int64_t> caps_bytes,
                        bool gradient_as_bucket_view, bool find_unused_parameters, bool static_graph,
-                       bool step_in_backward, int nan_check) {
+                       bool step_in_backward, int nan_check, std::vector<bool> expect_sparse) {
              TORCH_CHECK(nan_check >= 0 && nan_check <= 2, "Reducer: nan_check must be 0, 1 or 2");
              auto pg = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
              leanddp::ReducerOptions options;
@@ -178,13 +180,15 @@ void bind_reducer(py::module_& m) {
              options.static_graph = static_graph;
              options.step_in_backward = step_in_backward;
              options.nan_check = static_cast<leanddp::NanCheck>(nan_check);
+             options.expect_sparse = std::move(expect_sparse);
              py::gil_scoped_release no_gil;
              return std::make_unique<Reducer>(std::move(params), std::move(names), std::move(pg),
                                               std::move(options));
            }),
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("caps_bytes"),
            py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"),
-           py::arg("static_graph"), py::arg("step_in_backward") = false, py::arg("nan_check") = 0)
+           py::arg("static_graph"), py::arg("step_in_backward") = false, py::arg("nan_check") = 0,
+           py::arg("expect_sparse") = std::vector<bool>{})
       .def("prepare_for_forward", &Reducer::prepare_for_forward,
            py::call_guard<py::gil_scoped_release>())
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),

@@ -10,8 +10,11 @@ namespace leanddp {
 
 std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& params,
                                                  const std::vector<int64_t>& order,
-                                                 const std::vector<int64_t>& caps_bytes) {
+                                                 const std::vector<int64_t>& caps_bytes,
+                                                 const std::vector<bool>& sparse) {
   TORCH_CHECK(!caps_bytes.empty(), "assign_buckets: no bucket cap given");
+  TORCH_CHECK(sparse.empty() || sparse.size() == params.size(),
+              "assign_buckets: one sparse flag per parameter");
   using Key = std::tuple<int, int, int>;  // device type, device index, dtype
   struct Open {
     std::vector<int64_t> indices;
@@ -23,6 +26,10 @@ std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& 
   std::vector<std::vector<int64_t>> buckets;
   for (int64_t i : order) {
     const at::Tensor& p = params.at(static_cast<size_t>(i));
+    if (!sparse.empty() && sparse[static_cast<size_t>(i)]) {
+      buckets.push_back({i});
+      continue;
+    }
     Key key{static_cast<int>(p.device().type()), p.device().index(),
             static_cast<int>(p.scalar_type())};
     auto [it, inserted] = open.try_emplace(key);
@@ -46,30 +53,47 @@ std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& 
 }
 
 Bucket make_bucket(const std::vector<at::Tensor>& params, const std::vector<int64_t>& indices,
-                   bool allocate) {
+                   bool allocate, bool sparse) {
   TORCH_CHECK(!indices.empty(), "make_bucket: empty bucket");
+  TORCH_CHECK(!sparse || indices.size() == 1, "make_bucket: a sparse bucket holds one parameter");
   Bucket b;
   b.params = indices;
+  b.sparse = sparse;
   for (int64_t i : indices) {
     b.offsets.push_back(b.numel);
     b.numel += params.at(static_cast<size_t>(i)).numel();
   }
-  if (allocate) allocate_bucket(b, params);
+  if (allocate && !sparse) allocate_bucket(b, params);
   return b;
 }
 
-void allocate_bucket(Bucket& b, const std::vector<at::Tensor>& params) {
+void allocate_bucket(Bucket& b, const std::vector<at::Tensor>& params, bool zeroed) {
+  TORCH_CHECK(!b.sparse, "allocate_bucket: a sparse bucket has no flat storage");
   const at::Tensor& first = params.at(static_cast<size_t>(b.params.at(0)));
-  b.flat = at::zeros({b.numel}, first.options().requires_grad(false));
+  const auto options = first.options().requires_grad(false);
+  b.flat = zeroed ? at::zeros({b.numel}, options) : at::empty({b.numel}, options);
   b.views.clear();
   for (size_t k = 0; k < b.params.size(); ++k) {
-    const at::Tensor& p = params[static_cast<size_t>(b.params[k])];
-    if (p.is_non_overlapping_and_dense()) {
-      b.views.push_back(b.flat.as_strided(p.sizes(), p.strides(), b.offsets[k]));
-    } else {
-      b.views.push_back(b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
-    }
+    b.views.push_back(slice_like(b.flat, b.offsets[k], params[static_cast<size_t>(b.params[k])]));
   }
+}
+
+at::Tensor slice_like(const at::Tensor& flat, int64_t offset, const at::Tensor& like) {
+  if (like.is_non_overlapping_and_dense()) {
+    return flat.as_strided(like.sizes(), like.strides(), flat.storage_offset() + offset);
+  }
+  return flat.narrow(0, offset, like.numel()).view(like.sizes());
+}
+
+at::Tensor in_memory_order_of(const at::Tensor& t, const at::Tensor& view) {
+  if (view.is_contiguous()) return t;
+  // Dims by decreasing stride (ties, possible only between size-1 dims, in dim order): the
+  // permutation that makes the dense `view` contiguous.
+  std::vector<int64_t> dims(static_cast<size_t>(view.dim()));
+  for (size_t d = 0; d < dims.size(); ++d) dims[d] = static_cast<int64_t>(d);
+  std::stable_sort(dims.begin(), dims.end(),
+                   [&](int64_t a, int64_t b) { return view.stride(a) > view.stride(b); });
+  return t.permute(dims);
 }
 
 void release_bucket(Bucket& b) {

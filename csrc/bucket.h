@@ -22,16 +22,21 @@ constexpr int64_t kFirstBucketCapBytes = 1 << 20;
 // cap repeats). A parameter larger than the cap gets a bucket of its own. Returns, per bucket,
 // the parameter indices in layout order; buckets are ordered by when they closed, which is the
 // order in which all ranks launch their reductions. Deterministic: the same inputs give the same
-// layout on every rank.
+// layout on every rank. A parameter with `sparse[i]` set (it expects sparse gradients; `sparse`
+// may be empty: none does) gets a bucket of its own where `order` reaches it, outside the caps,
+// as in torch's DDP: sparse gradients are reduced one tensor at a time.
 std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& params,
                                                  const std::vector<int64_t>& order,
-                                                 const std::vector<int64_t>& caps_bytes);
+                                                 const std::vector<int64_t>& caps_bytes,
+                                                 const std::vector<bool>& sparse = {});
 
 // One bucket: a flat buffer holding the gradients of `params`, densely packed in that order
 // (the layout torch's DDP uses, so a comm hook sees the buffer it expects). `params`, `offsets`
 // and `numel` are fixed once the bucket is made; the storage (`flat` and `views`) is held for
 // the bucket's lifetime, except with optimizer_in_backward, where it exists only between a
 // bucket's first gradient and its optimizer step (allocate_bucket / release_bucket).
+// A sparse bucket holds one parameter whose gradient is a sparse tensor: no flat buffer and no
+// views (its gradient is never a bucket view); `sparse_grad` holds the gradient being reduced.
 struct Bucket {
   at::Tensor flat;                // 1-D, one dtype and device: the communication buffer
   std::vector<int64_t> params;    // parameter indices, in layout order
@@ -39,21 +44,39 @@ struct Bucket {
   std::vector<at::Tensor> views;  // `flat` seen with each parameter's sizes and strides
   int64_t numel = 0;              // elements of `flat`
   size_t pending = 0;             // parameters not yet ready in the current backward
+  bool sparse = false;            // one parameter reduced as a sparse tensor (fixed)
+  // Sparse bucket: this rank's gradient from its launch, the reduced one once collected;
+  // dropped when the iteration's state is reset.
+  at::Tensor sparse_grad;
 
   bool allocated() const { return flat.defined(); }
 };
 
 // Lays out a bucket for `indices` (all of one device and dtype) and, if `allocate`, gives it
-// zeroed storage.
+// zeroed storage. A `sparse` bucket (one index) never gets storage.
 Bucket make_bucket(const std::vector<at::Tensor>& params, const std::vector<int64_t>& indices,
-                   bool allocate = true);
+                   bool allocate = true, bool sparse = false);
 
-// Gives `bucket` zeroed storage and its views. Views keep each parameter's strides when the
-// parameter is dense and non-overlapping (channels_last stays channels_last), and are contiguous
-// otherwise.
-void allocate_bucket(Bucket& bucket, const std::vector<at::Tensor>& params);
+// Gives `bucket` storage, zeroed if `zeroed`, and its views. Views keep each parameter's strides
+// when the parameter is dense and non-overlapping (channels_last stays channels_last), and are
+// contiguous otherwise. Uninitialized storage is for a bucket whose every slot is written before
+// it is read (the Reducer's re-allocation inside backward: each slot receives its gradient, or
+// zeros when the parameter has none).
+void allocate_bucket(Bucket& bucket, const std::vector<at::Tensor>& params, bool zeroed = true);
 
 // Drops the bucket's storage (returned to the caching allocator once no tensor refers to it).
 void release_bucket(Bucket& bucket);
+
+// `flat`'s elements [offset, offset + like.numel()) seen with `like`'s sizes: with `like`'s
+// strides when `like` is dense and non-overlapping (the slice then holds the elements in
+// `like`'s memory order, as a bucket view does), contiguous otherwise. Optimizer state views use
+// it too, so parameter, gradient and state share one memory order.
+at::Tensor slice_like(const at::Tensor& flat, int64_t offset, const at::Tensor& like);
+
+// `t` (with `view`'s sizes) with its dims permuted so that its row-major order is `view`'s
+// memory order: flatten_into / unflatten_from of the result moves t's values into / out of the
+// slice that `view` (a slice_like() view) sees, whatever t's own strides, as one linear copy when
+// t has view's strides. `t` itself when `view` is contiguous.
+at::Tensor in_memory_order_of(const at::Tensor& t, const at::Tensor& view);
 
 }  // namespace leanddp

@@ -55,8 +55,10 @@ FusedOptimizer::FusedOptimizer(OptimKind kind, std::vector<at::Tensor> params,
   TORCH_CHECK(group_of_.size() == params_.size(), "FusedOptimizer: one group per parameter");
   TORCH_CHECK(!params_.empty(), "FusedOptimizer: no parameters");
   const c10::Device device = params_[0].device();
+  // On the host the state is ordinary memory: it never crosses PCIe (only offload's staging
+  // buffers are pinned), and the worker thread that steps it allocates and first touches it.
+  // Its dtype is chosen per bucket (state_dtype).
   state_options_ = at::TensorOptions().device(on_host ? c10::Device(at::kCPU) : device);
-  if (on_host && device.is_cuda()) state_options_ = state_options_.pinned_memory(true);
   on_host_ = on_host;
   set_groups(std::move(groups));
 }
@@ -77,7 +79,11 @@ size_t FusedOptimizer::num_buffers(int64_t group) const {
 bool FusedOptimizer::can_step(size_t p) const {
   const auto dtype = params_[p].scalar_type();
   const bool stepped = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
-  return stepped && params_[p].is_contiguous();
+  // On the device, any dense layout: the parameter, its bucket view and its state (state_view)
+  // share its strides, so the kernels step them element by element in memory order. The host
+  // step (offload_to_cpu) copies through contiguous flat host buffers.
+  return stepped &&
+         (on_host_ ? params_[p].is_contiguous() : params_[p].is_non_overlapping_and_dense());
 }
 
 at::ScalarType FusedOptimizer::state_dtype(const Bucket& bucket) const {
@@ -97,8 +103,8 @@ void FusedOptimizer::ensure_state(size_t index, const Bucket& bucket, size_t buf
 
 at::Tensor FusedOptimizer::state_view(size_t index, const Bucket& bucket, size_t slot,
                                       size_t k) const {
-  const at::Tensor& p = params_[static_cast<size_t>(bucket.params[slot])];
-  return flats_[index][k].narrow(0, bucket.offsets[slot], p.numel()).view(p.sizes());
+  return slice_like(flats_[index][k], bucket.offsets[slot],
+                    params_[static_cast<size_t>(bucket.params[slot])]);
 }
 
 void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<char>& mask,
@@ -197,8 +203,7 @@ void FusedOptimizer::relayout(const std::vector<Bucket>& old_buckets,
       for (size_t k = 0; k < old_flats[ob].size(); ++k) {
         const Bucket& old_bucket = old_buckets[ob];
         const at::Tensor& p = params_[static_cast<size_t>(bucket.params[s])];
-        state_view(b, bucket, s, k)
-            .copy_(old_flats[ob][k].narrow(0, old_bucket.offsets[os], p.numel()).view(p.sizes()));
+        state_view(b, bucket, s, k).copy_(slice_like(old_flats[ob][k], old_bucket.offsets[os], p));
       }
     }
   }

@@ -9,7 +9,7 @@
 // views as the `state` of the user's torch optimizer, so checkpoints have torch's format.
 //
 // With offload_to_cpu (`on_host`) the same code steps the fp32 master weights in host memory:
-// the state lives in host memory (pinned when the parameters are on a GPU), float32 whatever
+// the state lives in ordinary host memory (it never crosses PCIe), float32 whatever
 // the parameters' dtype, and the caller says what is stepped (StepTargets).
 //
 // Not thread-safe: one thread at a time (the Reducer with its lock held, or HostOffload's worker
@@ -75,8 +75,9 @@ class FusedOptimizer {
 
   // Replaces the hyper-parameters (one per group), read by the next steps.
   void set_groups(std::vector<OptimHyper> groups);
-  // Whether the kernels can step parameter p: contiguous, float32, bfloat16 or float16 (on the
-  // host the float32 masters of bf16/fp16 parameters are stepped). Fixed for a parameter,
+  // Whether the kernels can step parameter p: float32, bfloat16 or float16 and, on the device,
+  // dense in any layout (contiguous, channels_last, transposed; its state is laid out like it),
+  // or, on the host, where float32 masters are stepped, contiguous. Fixed for a parameter,
   // whatever bucket it is in, so its state never moves between this and the fallback.
   bool can_step(size_t p) const;
   // Steps the members of bucket `index` whose `mask[slot]` is set (all of which can_step):

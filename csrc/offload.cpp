@@ -49,7 +49,7 @@ HostOffload::HostOffload(std::vector<at::Tensor> params, std::unique_ptr<FusedOp
     TORCH_INTERNAL_ASSERT(*d2h_stream_ != *h2d_stream_, "offload_to_cpu: one stream for both ways");
     events_ = std::make_unique<EventPool>(device.type());
   }
-  host_options_ = at::TensorOptions().device(at::kCPU).pinned_memory(on_gpu_);
+  staging_options_ = at::TensorOptions().device(at::kCPU).pinned_memory(on_gpu_);
   const size_t n = params_.size();
   masters_.resize(n);
   versions_.assign(n, 0);
@@ -100,23 +100,27 @@ void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<c
               "HostOffload: bucket ", index, " does not match the layout it was given");
   at::Tensor& grads = host_[index].grads;
   if (!grads.defined()) {
-    grads = at::empty({bucket.numel}, host_options_.dtype(bucket.flat.scalar_type()));
+    grads = at::empty({bucket.numel}, staging_options_.dtype(bucket.flat.scalar_type()));
   }
   Job job;
   job.index = index;
   job.layout = layout_[index];
   job.mask = mask;
+  job.refresh.assign(bucket.params.size(), 0);
   job.grads = grads;
   std::optional<c10::StreamGuard> guard;
   if (on_gpu_) guard.emplace(*d2h_stream_);
   grads.copy_(bucket.flat, /*non_blocking=*/on_gpu_);
   // Masters of parameters someone else changed since our last write (or not made yet) are
-  // read from the parameters, in the same stream order as the gradients.
-  for (int64_t i : bucket.params) {
-    const auto p = static_cast<size_t>(i);
+  // read from the parameters through their pinned `weights` slots, in the same stream order as
+  // the gradients (a float32 master is that slot; a low-precision one is upcast by the worker).
+  for (size_t s = 0; s < bucket.params.size(); ++s) {
+    const auto p = static_cast<size_t>(bucket.params[s]);
     const at::Tensor& param = params_[p];
     if (masters_[p].defined() && param._version() == versions_[p]) continue;
-    ensure_master(p).copy_(param, /*non_blocking=*/on_gpu_);
+    weights_slot(p).copy_(param, /*non_blocking=*/on_gpu_);
+    job.refresh[s] = low_precision(p);
+    if (!low_precision(p)) ensure_master(p);  // a view of that slot
     versions_[p] = param._version();
   }
   if (on_gpu_) job.copied = events_->record(*d2h_stream_);
@@ -235,6 +239,10 @@ void HostOffload::finish_iteration(bool completed) {
 void HostOffload::step_job(const Job& job, std::optional<double> grad_scale) {
   const Bucket& layout = job.layout;
   const at::Tensor& weights = ensure_weights(job.index);
+  for (size_t s = 0; s < layout.params.size(); ++s) {
+    const auto p = static_cast<size_t>(layout.params[s]);
+    if (job.refresh[s]) ensure_master(p).copy_(weights_slot(p));
+  }
   StepTargets targets;
   targets.grad_scale = grad_scale;
   for (size_t s = 0; s < layout.params.size(); ++s) {
@@ -289,12 +297,12 @@ void HostOffload::copy_back(const Job& job, const at::Tensor& weights) {
 void HostOffload::relayout(const std::vector<Bucket>& old_buckets,
                            const std::vector<Bucket>& new_buckets) {
   optimizer_->relayout(old_buckets, new_buckets);
-  // Float32 masters are views into the old buckets' weights (kept alive by these views): copy
-  // them into the new layout.
+  // Masters are views into the old buckets' blocks (kept alive by these views): copy them into
+  // the new layout.
   const std::vector<at::Tensor> old_masters = masters_;
   set_layout(new_buckets);
   for (size_t p = 0; p < params_.size(); ++p) {
-    if (low_precision(p) || !old_masters[p].defined()) continue;
+    if (!old_masters[p].defined()) continue;
     masters_[p] = at::Tensor();
     ensure_master(p).copy_(old_masters[p]);
   }
@@ -315,25 +323,39 @@ void HostOffload::load_master(size_t p, const at::Tensor& value) {
 
 at::Tensor& HostOffload::ensure_master(size_t p) {
   if (!masters_[p].defined()) {
-    const at::Tensor& param = params_[p];
     if (low_precision(p)) {
-      masters_[p] = at::empty(param.sizes(), host_options_.dtype(at::kFloat));
+      at::Tensor& masters = host_[bucket_of(p)].masters;
+      if (!masters.defined()) {  // ordinary memory: never crosses PCIe
+        masters = at::empty({layout_[bucket_of(p)].numel}, at::TensorOptions(at::kFloat));
+      }
+      masters_[p] = slot(p, masters);
     } else {
-      const auto [b, s] = location_[p];
-      TORCH_CHECK(b < layout_.size(), "HostOffload: parameter ", p, " is in no bucket");
-      masters_[p] =
-          ensure_weights(b).narrow(0, layout_[b].offsets[s], param.numel()).view(param.sizes());
+      masters_[p] = weights_slot(p);
     }
     ++generation_;
   }
   return masters_[p];
 }
 
+at::Tensor HostOffload::weights_slot(size_t p) { return slot(p, ensure_weights(bucket_of(p))); }
+
+size_t HostOffload::bucket_of(size_t p) const {
+  const size_t b = location_[p].first;
+  TORCH_CHECK(b < layout_.size(), "HostOffload: parameter ", p, " is in no bucket");
+  return b;
+}
+
+at::Tensor HostOffload::slot(size_t p, const at::Tensor& block) const {
+  const auto [b, s] = location_[p];
+  const at::Tensor& param = params_[p];
+  return block.narrow(0, layout_[b].offsets[s], param.numel()).view(param.sizes());
+}
+
 at::Tensor& HostOffload::ensure_weights(size_t b) {
   at::Tensor& weights = host_[b].weights;
   if (!weights.defined()) {
     const at::Tensor& first = params_[static_cast<size_t>(layout_[b].params.front())];
-    weights = at::empty({layout_[b].numel}, host_options_.dtype(first.scalar_type()));
+    weights = at::empty({layout_[b].numel}, staging_options_.dtype(first.scalar_type()));
   }
   return weights;
 }
@@ -344,19 +366,18 @@ OffloadStats HostOffload::stats() const {
     std::lock_guard<std::mutex> lock(mu_);
     out = stats_;
   }
-  for (size_t p = 0; p < params_.size(); ++p) {
-    if (masters_[p].defined() && low_precision(p)) {
-      out.master_bytes += static_cast<int64_t>(masters_[p].nbytes());
-    }
-  }
+  const auto count = [&](const at::Tensor& t, int64_t& category) {
+    if (!t.defined()) return;
+    category += static_cast<int64_t>(t.nbytes());
+    if (on_gpu_ && t.is_pinned()) out.pinned_bytes += static_cast<int64_t>(t.nbytes());
+  };
   for (size_t b = 0; b < host_.size(); ++b) {
     const HostBucket& host = host_[b];
-    if (host.grads.defined()) out.host_buffer_bytes += static_cast<int64_t>(host.grads.nbytes());
-    if (!host.weights.defined()) continue;
     // A float32 bucket's weights are its masters; a low-precision one's are a buffer.
     const bool masters = !low_precision(static_cast<size_t>(layout_[b].params.front()));
-    (masters ? out.master_bytes : out.host_buffer_bytes) +=
-        static_cast<int64_t>(host.weights.nbytes());
+    count(host.grads, out.host_buffer_bytes);
+    count(host.weights, masters ? out.master_bytes : out.host_buffer_bytes);
+    count(host.masters, out.master_bytes);
   }
   return out;
 }

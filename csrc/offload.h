@@ -1,19 +1,23 @@
-// HostOffload: offload_to_cpu. Optimizer state and float32 master weights live in host memory
-// (pinned when the parameters are on a GPU); a worker thread steps them with the fused CPU
-// kernels and writes the updated weights back to the parameters.
+// HostOffload: offload_to_cpu. Optimizer state and float32 master weights live in host memory;
+// a worker thread steps them with the fused CPU kernels and writes the updated weights back to
+// the parameters.
 //
-// Per bucket, the host holds two flat buffers in the bucket's dtype (pinned on a GPU machine):
-// `grads`, the averaged gradients copied from the device, and `weights`, the updated weights
-// copied back. A float32 bucket's masters live in `weights` itself; a bfloat16/float16 bucket's
-// masters are float32 tensors of their own, and the step kernel writes the rounded weights into
-// `weights` in the same pass. So each way a bucket crosses PCIe in one flat copy.
+// Per bucket, the host holds two flat staging buffers in the bucket's dtype, pinned when the
+// parameters are on a GPU because they cross PCIe: `grads`, the averaged gradients copied from
+// the device, and `weights`, the updated weights copied back. A float32 bucket's masters live in
+// `weights` itself; a bfloat16/float16 bucket's masters are one float32 block of ordinary
+// (pageable) memory, `masters`, and the step kernel writes the rounded weights into `weights` in
+// the same pass. So each way a bucket crosses PCIe in one flat copy, and only what is copied is
+// pinned: the optimizer state and low-precision masters never cross PCIe and stay in ordinary
+// memory, first touched by the worker thread that steps them.
 //
 // Data flow per bucket (Reducer::step_bucket calls submit()):
 //   1. on the device-to-host stream, which the caller made wait for the bucket's reduction: the
-//      averaged gradients go to `grads` in one copy, and the masters of parameters changed since
-//      our last write (first step, a loaded checkpoint) are refreshed from the parameters; an
-//      event from the pool marks the copies; the caller records the device bucket's memory on
-//      that stream and releases it at once;
+//      averaged gradients go to `grads` in one copy, and parameters changed since our last write
+//      (first step, a loaded checkpoint) are copied into their slots of `weights` (for float32
+//      that is the master itself; for bf16/fp16 the worker upcasts the slot into the master
+//      before the step); an event from the pool marks the copies; the caller records the device
+//      bucket's memory on that stream and releases it at once;
 //   2. the worker waits for that bucket's event only, steps the bucket's masters and state (for
 //      bf16/fp16 parameters the kernel upcasts the gradients and writes the rounded copy), and,
 //      on the host-to-device stream, copies `weights` to the device in one piece and scatters it
@@ -70,6 +74,7 @@ struct OffloadStats {
   double grad_norm = -1;          // the last iteration's total gradient norm (-1: no clipping)
   int64_t master_bytes = 0;       // float32 master weights on the host
   int64_t host_buffer_bytes = 0;  // host gradient buffers, and low-precision weight buffers
+  int64_t pinned_bytes = 0;       // of those, page-locked (the staging buffers, on a GPU)
 };
 
 class HostOffload {
@@ -124,15 +129,17 @@ class HostOffload {
     size_t index = 0;
     Bucket layout;  // params/offsets/numel (no storage)
     std::vector<char> mask;
-    at::Tensor grads;          // the gradients, on the host
-    EventPool::Handle copied;  // GPU: the copies to the host are done
-    bool end = false;          // marks the end of an iteration
-    bool completed = true;     // (end) false: the iteration was abandoned
+    std::vector<char> refresh;  // low-precision slots whose master is read from `weights` first
+    at::Tensor grads;           // the gradients, on the host
+    EventPool::Handle copied;   // GPU: the copies to the host are done
+    bool end = false;           // marks the end of an iteration
+    bool completed = true;      // (end) false: the iteration was abandoned
   };
   // One bucket's host buffers (see the top of this file), allocated at its first submit.
   struct HostBucket {
     at::Tensor grads;
     at::Tensor weights;
+    at::Tensor masters;  // bf16/fp16 buckets: float32, ordinary memory
   };
 
   void run_worker();
@@ -143,8 +150,14 @@ class HostOffload {
   void finish_iteration(bool completed);
   bool low_precision(size_t p) const { return params_[p].scalar_type() != at::kFloat; }
   bool holds() const { return hold_ || options_.max_grad_norm.has_value(); }
-  // Parameter p's master, allocated at first use (float32: a view into its bucket's weights).
+  // Parameter p's master, allocated at first use: a view into its bucket's `weights` (float32)
+  // or `masters` (bf16/fp16).
   at::Tensor& ensure_master(size_t p);
+  // Parameter p's slot of its bucket's `weights` (allocated at first use).
+  at::Tensor weights_slot(size_t p);
+  // The bucket holding parameter p (checked), and p's slot of that bucket's flat `block`.
+  size_t bucket_of(size_t p) const;
+  at::Tensor slot(size_t p, const at::Tensor& block) const;
   // Bucket b's `weights` buffer, allocated at first use.
   at::Tensor& ensure_weights(size_t b);
 
@@ -157,7 +170,7 @@ class HostOffload {
   std::optional<c10::Stream> d2h_stream_;
   std::optional<c10::Stream> h2d_stream_;
   std::unique_ptr<EventPool> events_;
-  at::TensorOptions host_options_;  // host memory, pinned on a GPU machine
+  at::TensorOptions staging_options_;  // host memory copied to or from a GPU: pinned there
 
   // The buckets' layout (set_layout, relayout) and, per parameter, its (bucket, slot).
   std::vector<Bucket> layout_;

@@ -18,7 +18,7 @@ using torch::autograd::variable_list;
 
 // True when `grad` is exactly `view` (same storage, offset, sizes and strides).
 bool is_view(const at::Tensor& grad, const at::Tensor& view) {
-  return grad.defined() && grad.is_alias_of(view) &&
+  return grad.defined() && !grad.is_sparse() && grad.is_alias_of(view) &&
          grad.storage_offset() == view.storage_offset() && grad.sizes() == view.sizes() &&
          grad.strides() == view.strides();
 }
@@ -49,6 +49,13 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   TORCH_CHECK(names_.size() == params_.size(), "Reducer: one name per parameter");
   TORCH_CHECK(process_group_, "Reducer: no process group");
   div_factor_ = static_cast<double>(process_group_->getSize());
+  TORCH_CHECK(options_.expect_sparse.empty() || options_.expect_sparse.size() == params_.size(),
+              "Reducer: one expect_sparse flag per parameter");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    TORCH_CHECK(!(options_.step_in_backward && expects_sparse(i)),
+                "leanddp.DistributedDataParallel: parameter ", names_[i],
+                " gets sparse gradients, which optimizer_in_backward cannot step");
+  }
   if (window_.device_ordered()) {
     const c10::Device device = params_.front().device();
     events_ = std::make_unique<EventPool>(device.type());
@@ -58,7 +65,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   grad_was_view_.assign(n, 0);
   std::vector<int64_t> order(n);
   for (size_t i = 0; i < n; ++i) order[i] = static_cast<int64_t>(n - 1 - i);
-  build_buckets(assign_buckets(params_, order, options_.caps_bytes));
+  build_buckets(assign_buckets(params_, order, options_.caps_bytes, options_.expect_sparse));
   reset_iteration_state();
   local_used_.assign(n, 0);
   for (size_t i = 0; i < n; ++i) {
@@ -90,7 +97,8 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
     for (size_t s = 0; s < indices.size(); ++s) {
       location_[static_cast<size_t>(indices[s])] = {buckets_.size(), s};
     }
-    buckets_.push_back(make_bucket(params_, indices, !options_.step_in_backward));
+    const bool sparse = indices.size() == 1 && expects_sparse(static_cast<size_t>(indices[0]));
+    buckets_.push_back(make_bucket(params_, indices, !options_.step_in_backward, sparse));
     if (buckets_.back().allocated()) allocated_bytes_ += buckets_.back().flat.nbytes();
   }
 }
@@ -98,7 +106,9 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
 void Reducer::ensure_allocated(size_t bucket_index) {
   Bucket& bucket = buckets_[bucket_index];
   if (bucket.allocated()) return;
-  allocate_bucket(bucket, params_);
+  // Each slot is written before the bucket is read: a gradient copied or accumulated into its
+  // view, or zeros at mark_ready for a parameter without one. So no zero fill here.
+  allocate_bucket(bucket, params_, /*zeroed=*/false);
   allocated_bytes_ += static_cast<int64_t>(bucket.flat.nbytes());
   peak_bucket_bytes_ = std::max(peak_bucket_bytes_, allocated_bytes_ + unfinished_bytes_);
 }
@@ -144,7 +154,10 @@ void Reducer::reset_iteration_state() {
   nan_params_.clear();
   local_used_reduced_ = at::Tensor();
   local_used_work_.reset();
-  for (Bucket& b : buckets_) b.pending = b.params.size();
+  for (Bucket& b : buckets_) {
+    b.pending = b.params.size();
+    b.sparse_grad = at::Tensor();
+  }
 }
 
 std::vector<std::string> Reducer::prepare_for_forward() {
@@ -213,12 +226,14 @@ void Reducer::autograd_hook(size_t index) {
     // no_sync() or a backward not prepared by a forward: accumulate locally, in the views. A
     // parameter used here is used in the next synchronized step, as in torch's DDP.
     if (params_[index].grad().defined()) local_used_[index] = 1;
-    if (!options_.gradient_as_bucket_view) return;
+    // (a sparse gradient accumulates in param.grad, by autograd)
+    if (!options_.gradient_as_bucket_view || expects_sparse(index)) return;
     at::Tensor& grad = params_[index].mutable_grad();
     const auto [b, s] = location_[index];
     ensure_allocated(b);
     const at::Tensor& view = buckets_[b].views[s];
     if (grad.defined() && !is_view(grad, view)) {
+      check_dense_grad(index, grad);
       view.copy_(grad);
       grad = view;
       grad_was_view_[index] = 1;
@@ -250,10 +265,13 @@ void Reducer::mark_ready(size_t index) {
   const auto [b, s] = location_[index];
   Bucket& bucket = buckets_[b];
   const at::Tensor& grad = params_[index].grad();
-  if (!grad.defined()) {
+  if (bucket.sparse) {
+    // taken from param.grad at launch (launch_sparse)
+  } else if (!grad.defined()) {
     ensure_allocated(b);
     bucket.views[s].zero_();  // no gradient on this rank: contribute zeros
   } else if (!bucket.allocated() || !is_view(grad, bucket.views[s])) {
+    check_dense_grad(index, grad);
     sources_[index] = grad;  // copied (and scaled) into the slice at launch
   }
   --bucket.pending;
@@ -268,9 +286,14 @@ void Reducer::mark_ready(size_t index) {
     max_in_flight_ = std::max(max_in_flight_, static_cast<int64_t>(window_.in_flight()));
   }
   if (next_bucket_ == buckets_.size() && tracks_unused() && !local_used_work_) {
-    const at::Tensor used_cpu =
-        at::from_blob(local_used_.data(), {static_cast<int64_t>(local_used_.size())}, at::kInt);
-    local_used_reduced_ = used_cpu.to(params_[0].device(), /*non_blocking=*/false, /*copy=*/true);
+    // Through a fresh pinned buffer, without blocking the host (as torch's DDP does): the
+    // caching host allocator keeps it until the copy has run, and the next iteration's marks
+    // go to local_used_, not to memory the copy may still read.
+    const at::Device device = params_[0].device();
+    at::Tensor staged = at::empty({static_cast<int64_t>(local_used_.size())},
+                                  at::TensorOptions(at::kInt).pinned_memory(runs_apart(device)));
+    std::copy(local_used_.begin(), local_used_.end(), staged.data_ptr<int32_t>());
+    local_used_reduced_ = staged.to(device, /*non_blocking=*/true, /*copy=*/true);
     std::vector<at::Tensor> tensors{local_used_reduced_};
     try {
       local_used_work_ = process_group_->allreduce(tensors);
@@ -282,6 +305,7 @@ void Reducer::mark_ready(size_t index) {
 }
 
 void Reducer::launch(size_t bucket_index) {
+  if (buckets_[bucket_index].sparse) return launch_sparse(bucket_index);
   ensure_allocated(bucket_index);
   Bucket& bucket = buckets_[bucket_index];
   const std::optional<double> scale =
@@ -291,7 +315,9 @@ void Reducer::launch(size_t bucket_index) {
   for (size_t s = 0; s < bucket.params.size(); ++s) {
     const at::Tensor& src = sources_[static_cast<size_t>(bucket.params[s])];
     copies = copies || src.defined();
-    sources.push_back(src.defined() ? src : bucket.views[s]);
+    // A gradient of its own goes into the slice in the view's memory order (a linear copy when
+    // it has the view's strides, e.g. channels_last).
+    sources.push_back(src.defined() ? in_memory_order_of(src, bucket.views[s]) : bucket.views[s]);
   }
   // One pass: copy what is not in place yet and divide by the world size.
   if (copies || scale) flatten_into(sources, bucket.flat, scale);
@@ -361,9 +387,13 @@ void Reducer::finalize() {
       } catch (...) {
         rethrow_collective_error("the reduction of which parameters are used");
       }
-      const at::Tensor reduced = local_used_reduced_.cpu();
-      const int32_t* data = reduced.data_ptr<int32_t>();
-      std::copy(data, data + used.size(), used.begin());
+      // A parameter this rank used is used: the reduced map is read (a device-to-host copy
+      // the host waits for) only if some parameter was unused here, as in torch's DDP.
+      if (std::find(local_used_.begin(), local_used_.end(), 0) != local_used_.end()) {
+        const at::Tensor reduced = local_used_reduced_.cpu();
+        const int32_t* data = reduced.data_ptr<int32_t>();
+        std::copy(data, data + used.size(), used.begin());
+      }
       if (options_.static_graph) static_used_ = used;  // a static graph keeps the first verdict
     } else if (options_.static_graph) {
       used = static_used_;
@@ -408,6 +438,7 @@ void Reducer::finalize() {
 
 void Reducer::collect_reduced(size_t index) {
   if (collected_[index]) return;
+  if (buckets_[index].sparse) return collect_sparse(index);
   Bucket& bucket = buckets_[index];
   at::Tensor result;
   try {
@@ -445,6 +476,7 @@ void Reducer::collect_reduced(size_t index) {
 
 void Reducer::write_reduced_grads(size_t bucket_index, const std::vector<int32_t>& used) {
   Bucket& bucket = buckets_[bucket_index];
+  if (bucket.sparse) return write_sparse_grad(bucket_index, used);
   if (options_.gradient_as_bucket_view) {
     for (size_t s = 0; s < bucket.params.size(); ++s) {
       const auto p = static_cast<size_t>(bucket.params[s]);
@@ -467,7 +499,13 @@ void Reducer::write_reduced_grads(size_t bucket_index, const std::vector<int32_t
     grads.push_back(grad);
   }
   if (all_used) {
-    unflatten_from(bucket.flat, grads);  // one pass for the whole bucket
+    // One pass for the whole bucket, each slice read in its view's memory order.
+    std::vector<at::Tensor> targets;
+    targets.reserve(grads.size());
+    for (size_t s = 0; s < grads.size(); ++s) {
+      targets.push_back(in_memory_order_of(grads[s], bucket.views[s]));
+    }
+    unflatten_from(bucket.flat, targets);
     return;
   }
   for (size_t s = 0; s < bucket.params.size(); ++s) {
@@ -510,7 +548,7 @@ bool Reducer::rebuild_buckets() {
   }
   at::NoGradGuard no_grad;
   const std::vector<Bucket> old_buckets = std::move(buckets_);
-  build_buckets(assign_buckets(params_, order, options_.caps_bytes));
+  build_buckets(assign_buckets(params_, order, options_.caps_bytes, options_.expect_sparse));
   if (offload_) {
     offload_->relayout(old_buckets, buckets_);
   } else if (fused_) {
@@ -519,7 +557,7 @@ bool Reducer::rebuild_buckets() {
   if (options_.gradient_as_bucket_view) {
     for (size_t i = 0; i < n; ++i) {
       at::Tensor& grad = params_[i].mutable_grad();
-      if (!grad.defined()) continue;
+      if (!grad.defined() || expects_sparse(i)) continue;  // sparse: never a view
       const auto [b, s] = location_[i];
       ensure_allocated(b);
       buckets_[b].views[s].copy_(grad);
@@ -563,6 +601,7 @@ MemoryStats Reducer::memory_stats() const {
     const OffloadStats host = offload_->stats();
     stats.host_master_bytes = host.master_bytes;
     stats.host_buffer_bytes = host.host_buffer_bytes;
+    stats.host_pinned_bytes = host.pinned_bytes;
   }
   FusedOptimizer* fused = fused_optimizer();
   stats.optimizer_state_bytes = fused ? fused->state_bytes() : 0;
@@ -572,7 +611,10 @@ MemoryStats Reducer::memory_stats() const {
     const at::Tensor& grad = params_[i].grad();
     if (!grad.defined()) continue;
     const auto [b, s] = location_[i];
-    if (buckets_[b].allocated() && is_view(grad, buckets_[b].views[s])) {
+    if (grad.is_sparse()) {
+      ++stats.grads_outside;
+      stats.grad_bytes += static_cast<int64_t>(grad._indices().nbytes() + grad._values().nbytes());
+    } else if (buckets_[b].allocated() && is_view(grad, buckets_[b].views[s])) {
       ++stats.grads_as_views;
     } else {
       ++stats.grads_outside;

@@ -74,6 +74,11 @@ struct ReducerOptions {
   bool static_graph = false;
   // optimizer_in_backward: buckets are stepped (set_optimizer) and released inside backward.
   bool step_in_backward = false;
+  // Per parameter (empty: none): its gradient is a sparse tensor (torch's expect_sparse_gradient:
+  // nn.Embedding/EmbeddingBag(sparse=True)). It gets a bucket of its own, is never a view, and is
+  // reduced with the process group's allreduce of the sparse tensor (reducer_sparse.cpp). Not
+  // with step_in_backward.
+  std::vector<bool> expect_sparse;
   // optimizer_in_backward: most buckets launched but not yet stepped and finished (StepWindow).
   size_t buckets_in_flight = kBucketsInFlight;
   NanCheck nan_check = NanCheck::kOff;
@@ -92,9 +97,11 @@ struct MemoryStats {
   // buckets launched but not yet stepped and finished (optimizer_in_backward).
   int64_t peak_bucket_bytes = 0;
   int64_t max_buckets_in_flight = 0;
-  // offload_to_cpu: float32 master weights, and staging/low-precision buffers, on the host.
+  // offload_to_cpu: float32 master weights, and staging/low-precision buffers, on the host; and
+  // how many of those bytes are pinned (page-locked).
   int64_t host_master_bytes = 0;
   int64_t host_buffer_bytes = 0;
+  int64_t host_pinned_bytes = 0;
 };
 
 class Reducer {
@@ -103,7 +110,8 @@ class Reducer {
 
   // `params`: the trainable parameters, registration order, no duplicates, all on one device,
   // dense. `names` names them in errors. Allocates the buckets and installs the hooks; performs
-  // no collective.
+  // no collective. Raises, naming the parameter, if one expects sparse gradients and
+  // options.step_in_backward is set.
   Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
           c10::intrusive_ptr<c10d::ProcessGroup> process_group, ReducerOptions options);
   // Stops the offload worker, removes the hooks. In-flight reductions keep their own references
@@ -218,6 +226,21 @@ class Reducer {
   // Waits for bucket `index`'s reduction and leaves the averaged result in its flat buffer
   // (once per iteration; later calls return at once).
   void collect_reduced(size_t index);
+  // Sparse buckets (reducer_sparse.cpp), called where the dense path would run for them.
+  bool expects_sparse(size_t index) const {
+    return !options_.expect_sparse.empty() && options_.expect_sparse[index];
+  }
+  // At launch: takes the parameter's gradient (an empty sparse tensor if it has none on this
+  // rank), divides it in place by the world size (unless a comm hook reduces), and starts its
+  // allreduce, or hands it to the comm hook as the bucket's buffer (torch's contract).
+  void launch_sparse(size_t bucket_index);
+  // Waits for the sparse reduction and keeps the result in the bucket's `sparse_grad`.
+  void collect_sparse(size_t bucket_index);
+  // Writes the reduced sparse gradient into param.grad (copied into it if defined, as torch
+  // does; globally unused: left as it was).
+  void write_sparse_grad(size_t bucket_index, const std::vector<int32_t>& used);
+  // Raises, naming the parameter, if a parameter bucketed dense received a sparse gradient.
+  void check_dense_grad(size_t index, const at::Tensor& grad) const;
   // optimizer_in_backward: carries out the window's decisions for `phase` (step_window.h): steps
   // launched buckets in launch order and releases them, waiting only where the window says so.
   // `used`: the per-parameter "globally used" verdict (null: all used); parameters not used are

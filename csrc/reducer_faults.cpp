@@ -84,7 +84,11 @@ void Reducer::check_finite(const std::vector<size_t>& indices) {
   }
   if (nan_bucket_ >= 0 || unchecked.empty()) return;
   std::vector<at::Tensor> flags;
-  for (size_t b : unchecked) flags.push_back(at::isfinite(buckets_[b].flat).all());
+  for (size_t b : unchecked) {
+    const Bucket& bucket = buckets_[b];
+    const at::Tensor& values = bucket.sparse ? bucket.sparse_grad._values() : bucket.flat;
+    flags.push_back(at::isfinite(values).all());
+  }
   const at::Tensor finite = at::stack(flags).cpu();
   const bool* is_finite = finite.data_ptr<bool>();
   for (size_t k = 0; k < unchecked.size(); ++k) {
@@ -95,7 +99,7 @@ void Reducer::check_finite(const std::vector<size_t>& indices) {
     const Bucket& bucket = buckets_[unchecked[k]];
     nan_bucket_ = static_cast<int64_t>(unchecked[k]);
     for (size_t s = 0; s < bucket.params.size(); ++s) {
-      if (!at::isfinite(bucket.views[s]).all().item<bool>())
+      if (bucket.sparse || !at::isfinite(bucket.views[s]).all().item<bool>())
         nan_params_.push_back(bucket.params[s]);
     }
     return;

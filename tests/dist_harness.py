@@ -30,13 +30,18 @@ def _free_port() -> int:
 
 
 def init_rank(
-    rank: int, world_size: int, port: int, timeout: datetime.timedelta, backend: str = "gloo"
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout: datetime.timedelta,
+    backend: str = "gloo",
+    set_device: bool = True,
 ) -> None:
     """One thread, and the default group of ``world_size`` ranks on 127.0.0.1:``port`` (NCCL:
-    rank r uses GPU r)."""
+    rank r uses GPU r, made the current device unless ``set_device`` is False)."""
     os.environ["LEANDDP_TEST_RANK"] = str(rank)
     torch.set_num_threads(1)
-    if backend == "nccl":
+    if backend == "nccl" and set_device:
         torch.cuda.set_device(rank)
     dist.init_process_group(
         backend,
@@ -55,8 +60,9 @@ def _entry(
     fn: Callable,
     args: tuple,
     backend: str = "gloo",
+    set_device: bool = True,
 ) -> None:
-    init_rank(rank, world_size, port, TIMEOUT, backend)
+    init_rank(rank, world_size, port, TIMEOUT, backend, set_device)
     try:
         torch.manual_seed(seed + 1000 * rank)
         fn(rank, world_size, *args)
@@ -65,12 +71,18 @@ def _entry(
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo") -> None:
+def run_ranks(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    backend: str = "gloo",
+    set_device: bool = True,
+) -> None:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks (see module doc)."""
     seed = int(torch.randint(0, 2**30, ()).item())
     mp.spawn(
         _entry,
-        args=(world_size, _free_port(), seed, fn, args, backend),
+        args=(world_size, _free_port(), seed, fn, args, backend, set_device),
         nprocs=world_size,
         join=True,
     )

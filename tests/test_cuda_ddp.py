@@ -191,6 +191,60 @@ def test_no_host_synchronization_per_iteration(config: str) -> None:
     run_ranks(1, _sync_free, config, backend="nccl")
 
 
+def _pinned_staging_only(rank: int, world_size: int) -> None:
+    """offload_to_cpu pins only what crosses PCIe: the gradient and weight staging buffers. The
+    optimizer state and bfloat16 parameters' float32 masters are ordinary host memory."""
+    for dtype in (torch.float32, torch.bfloat16):
+        ddp = leanddp.DistributedDataParallel(
+            Net(rank=rank, f64=False).to("cuda", dtype),
+            device_ids=[0],
+            optimizer_in_backward=functools.partial(torch.optim.AdamW, lr=1e-3),
+            offload_to_cpu=True,
+        )
+        for _ in range(2):
+            ddp(torch.randn(BATCH, 12, device="cuda", dtype=dtype)).float().sum().backward()
+        ddp.synchronize()
+        stats = ddp.memory_stats()
+        if dtype == torch.float32:  # the float32 masters are the copy-back staging buffer
+            staging = stats["host_master_bytes"] + stats["host_buffer_bytes"]
+        else:
+            staging = stats["host_buffer_bytes"]
+        assert stats["host_pinned_bytes"] == staging > 0, (dtype, stats)
+        for entry in ddp.optimizer.state.values():  # state, and bfloat16's master_weight
+            for key, value in entry.items():
+                assert value.device.type != "cpu" or not value.is_pinned(), (dtype, key)
+
+
+def test_offload_pins_only_staging_buffers() -> None:
+    run_ranks(1, _pinned_staging_only, backend="nccl")
+
+
+def _tutorial_pattern(rank: int, world_size: int) -> None:
+    """torch's DDP tutorial: ``model.to(rank)``, ``device_ids=[rank]``, no
+    ``torch.cuda.set_device``; every rank keeps cuda:0 current. Trains equal to torch's DDP."""
+    assert torch.cuda.current_device() == 0
+    device = torch.device("cuda", rank)
+    model = Net(rank=rank, f64=False).to(device)
+    ref_model = copy.deepcopy(model)
+    ours = leanddp.DistributedDataParallel(model, device_ids=[rank])
+    ref = torch.nn.parallel.DistributedDataParallel(ref_model, device_ids=[rank])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ref)]
+    for step in range(STEPS):
+        x = torch.randn(BATCH, 12, device=device)
+        for ddp, opt in zip((ours, ref), opts, strict=True):
+            ddp(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        for (name, a), b in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+            assert a.device == device
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_construction_without_set_device() -> None:
+    run_ranks(2, _tutorial_pattern, backend="nccl", set_device=False)
+
+
 def test_events_are_pooled() -> None:
     """Steps and copies reuse a bounded set of CUDA events, not one per bucket per iteration."""
     run_ranks(1, _events, backend="nccl")

@@ -27,12 +27,6 @@ def test_subclass_accepts_torchs_arguments() -> None:
     assert ours["gradient_as_bucket_view"].default is True
 
 
-class _Sparse(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(10, 4, sparse=True)
-
-
 class _TwoDevices(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -53,7 +47,6 @@ _BAD = [
     (dict(offload_threads=2), ValueError, "offload_threads is meaningful only with"),
     (dict(max_grad_norm=1.0), ValueError, "max_grad_norm needs optimizer_in_backward"),
     (dict(check_for_nan_in_grad="yes"), ValueError, "check_for_nan_in_grad must be True, False"),
-    (dict(module=_Sparse()), ValueError, "'emb' produces sparse gradients"),
     (dict(module=_TwoDevices()), ValueError, "several devices"),
     (dict(module=torch.nn.Linear(2, 2).requires_grad_(False)), ValueError, "no parameter"),
 ]
@@ -81,6 +74,22 @@ def _mismatch(rank: int, world_size: int) -> None:
         module.head = torch.nn.Linear(12, 4)
     with pytest.raises(ValueError, match=r"'head.weight' \[3, 12\].*\[4, 12\] .*rank 1"):
         leanddp.DistributedDataParallel(module)
+
+
+def _no_object_collectives(rank: int, world_size: int) -> None:
+    """Construction uses tensor collectives on the module's device: torch's object collectives
+    stage on the current CUDA device, which the DDP tutorial's pattern (``model.to(rank)``,
+    ``device_ids=[rank]``, no ``torch.cuda.set_device``) leaves at cuda:0 on every rank."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an object collective ran during construction")
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("all_gather_object", "broadcast_object_list", "gather_object"):
+            patch.setattr(dist, name, refuse)
+            patch.setattr(dist.distributed_c10d, name, refuse)
+        leanddp.DistributedDataParallel(Net(rank=rank))
+        _mismatch(rank, world_size)
 
 
 def _unused_without_flag(rank: int, world_size: int) -> None:
@@ -188,7 +197,13 @@ def _hooks(rank: int, world_size: int, name: str) -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [_bad_input, _mismatch, _unused_without_flag, _state_dict_and_pickle, _reducer_and_logging],
+    [
+        _bad_input,
+        _no_object_collectives,
+        _unused_without_flag,
+        _state_dict_and_pickle,
+        _reducer_and_logging,
+    ],
 )
 def test_api(body) -> None:
     run_ranks(2, body)

@@ -185,6 +185,83 @@ def test_bucket_views_are_left_in_place_or_scaled(device):
     assert torch.equal(bucket, original * 0.5)
 
 
+def _permuted_views(flat):
+    """Views of consecutive slices of `flat` (from element 0), each dense in a non-contiguous
+    layout as a bucket keeps a parameter's strides: channels_last, a transposed matrix, a 3-D
+    permutation; then a contiguous one. Returns the views and the elements they cover."""
+    layouts = [
+        torch.empty(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+        torch.empty(7, 5).t(),
+        torch.empty(4, 2, 3).permute(1, 2, 0),
+        torch.empty(3, 3),
+    ]
+    views, offset = [], 0
+    for like in layouts:
+        views.append(flat.as_strided(like.shape, like.stride(), offset))
+        offset += like.numel()
+    assert all(not v.is_contiguous() for v in views[:3])
+    return views, offset
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_permuted_bucket_views_are_left_in_place_or_scaled(device, dtype):
+    """Tensors that are their own slices in a permuted dense layout (channels_last, transposed
+    parameters' gradient views): in place, the slice's elements scaled as `tensor * scale`,
+    next to a tensor of its own that is copied into its slice in row-major order."""
+    scale = random.uniform(-3, 3)
+    flat = _rand((400,), dtype, device)
+    views, covered = _permuted_views(flat)
+    own = _noncontiguous(_rand((2, 3, 4, 5), dtype, device))  # a separate (gradient) tensor
+    original = flat.clone()
+    ops.flatten_into(views, flat)
+    assert torch.equal(flat, original)
+    ops.flatten_into(views + [own], flat, scale=scale)
+    assert torch.equal(flat[:covered], original[:covered] * scale)
+    assert torch.equal(flat[covered : covered + own.numel()], own.reshape(-1) * scale)
+    assert torch.equal(flat[covered + own.numel() :], original[covered + own.numel() :])
+    scaled = flat.clone()
+    ops.unflatten_from(flat, views)
+    assert torch.equal(flat, scaled)
+    back = torch.zeros_like(own)
+    ops.unflatten_from(flat, views + [back], scale=0.5)
+    assert torch.equal(flat[:covered], scaled[:covered] * 0.5)
+    assert torch.equal(back, (scaled[covered : covered + own.numel()] * 0.5).view(own.shape))
+
+
+def test_permuted_views_off_their_slice_are_rejected(device):
+    """Sharing the flat buffer stays legal only for a dense tensor exactly on its own slice."""
+    flat = torch.randn(200, device=device)
+    views, _ = _permuted_views(flat)
+    c_last, transposed = views[0], views[1]
+    shifted = flat.as_strided(c_last.shape, c_last.stride(), 1)  # one element late
+    _assert_rejected(
+        ValueError,
+        r"tensors\[0\] overlaps out outside its own slice \[0, 120\)",
+        lambda: ops.flatten_into([shifted], flat, scale=2.0),
+        flat,
+    )
+    gappy = flat.as_strided((5, 7), (1, 6), 120)  # transposed, its offset, but with gaps
+    _assert_rejected(
+        ValueError,
+        r"tensors\[1\] overlaps flat outside its own slice",
+        lambda: ops.unflatten_from(flat, [c_last, gappy], scale=2.0),
+        flat,
+    )
+    _assert_rejected(  # the right layout, in another tensor's slice
+        ValueError,
+        r"tensors\[0\] overlaps out outside its own slice",
+        lambda: ops.flatten_into([transposed, c_last], flat),
+        flat,
+    )
+    expanded = flat[120:125].view(5, 1).expand(5, 7)
+    _assert_rejected(
+        ValueError,
+        r"tensors\[1\] has internally overlapping memory",
+        lambda: ops.unflatten_from(flat, [c_last, expanded]),
+        flat,
+    )
+
+
 def test_very_high_rank_noncontiguous(device):
     """A non-contiguous tensor with more dims than the kernels index directly."""
     t = torch.randn([2] * 9, device=device).permute(*reversed(range(9)))  # 9 dims, none mergeable

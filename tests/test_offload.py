@@ -139,6 +139,32 @@ def _placement(rank: int, world_size: int) -> None:
         assert set(entry) == {"step", "exp_avg", "exp_avg_sq"}  # torch's keys for float32
         for value in entry.values():
             assert value.device.type == "cpu"
+    numel = sum(p.numel() for p in params)
+    per_param = stats["host_bytes_per_param"]
+    assert per_param == {
+        "optimizer_state": 8 + steps / numel,
+        "master_weights": 4.0,  # the copy-back staging buffer is the float32 master
+        "staging": 4.0,  # the gradients' staging buffer
+        "pinned": 0.0,  # nothing is pinned without a GPU
+    }, per_param
+    # bfloat16 parameters: float32 masters in a block of their own, bfloat16 staging both ways
+    low_model = nn.Sequential(nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 3)).to(torch.bfloat16)
+    low_numel = sum(p.numel() for p in low_model.parameters())
+    low = leanddp.DistributedDataParallel(
+        low_model,
+        optimizer_in_backward=functools.partial(torch.optim.AdamW, lr=1e-3),
+        offload_to_cpu=True,
+    )
+    for _ in range(2):
+        low(torch.randn(4, 12, dtype=torch.bfloat16)).float().square().mean().backward()
+    low.synchronize()
+    per_param = low.memory_stats()["host_bytes_per_param"]
+    assert per_param == {
+        "optimizer_state": 8 + 4 * 4 / low_numel,  # float32 state and step counters
+        "master_weights": 4.0,
+        "staging": 4.0,  # bfloat16 gradients in, bfloat16 weights out
+        "pinned": 0.0,
+    }, per_param
 
 
 def test_state_and_masters_are_on_the_host() -> None:

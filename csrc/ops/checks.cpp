@@ -67,6 +67,18 @@ bool is_grad_dtype(at::ScalarType s) {
 
 bool is_low_precision(at::ScalarType s) { return s == at::kBFloat16 || s == at::kHalf; }
 
+// True when the kernels may step `t` and `param` element by element in memory order, from their
+// data_ptr() on: both contiguous (sizes may differ), or both dense with the same sizes and the
+// same strides in every dim of size > 1 (the same permutation: channels_last, transposed, ...).
+bool same_memory_order(const at::Tensor& t, const at::Tensor& param) {
+  if (t.is_contiguous() && param.is_contiguous()) return true;
+  if (t.sizes() != param.sizes() || !t.is_non_overlapping_and_dense()) return false;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1 && t.stride(d) != param.stride(d)) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 std::vector<int64_t> check_flat_args(const char* op, at::TensorList tensors, const at::Tensor& flat,
@@ -111,8 +123,9 @@ std::vector<int64_t> check_flat_args(const char* op, at::TensorList tensors, con
     if (t.numel() == 0 || !overlaps(accesses[i].span, touched)) continue;
     TORCH_CHECK_VALUE(is_flat_slice(t, flat, offsets[i]), op, ": tensors[", i, "] overlaps ",
                       flat_name, " outside its own slice [", offsets[i], ", ", offsets[i + 1],
-                      "); only a tensor that is exactly its slice may share ", flat_name,
-                      "'s memory");
+                      "); only a tensor that is exactly its slice (dense, in any layout) may "
+                      "share ",
+                      flat_name, "'s memory");
   }
   if (tensors_written) check_no_shared_writes(op, accesses);  // sorts `accesses`
   return offsets;
@@ -137,7 +150,16 @@ void check_optim_lists(const char* op, at::TensorList params, at::TensorList gra
                       " but params[0] is on ", device);
     TORCH_CHECK_VALUE(t.numel() == p.numel(), op, ": ", name, "[", i, "] has ", t.numel(),
                       " elements but params[", i, "] has ", p.numel());
-    TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, "[", i, "] must be contiguous");
+    if (&t == &p) {  // params[i] itself
+      TORCH_CHECK_VALUE(p.is_non_overlapping_and_dense(), op, ": ", name, "[", i,
+                        "] must be contiguous or dense in another layout (no gaps, no overlap), "
+                        "got sizes ",
+                        p.sizes(), " and strides ", p.strides());
+    } else {
+      TORCH_CHECK_VALUE(same_memory_order(t, p), op, ": ", name, "[", i,
+                        "] must be laid out like params[", i, "]: both contiguous, or the same ",
+                        "sizes and strides (got strides ", t.strides(), " and ", p.strides(), ")");
+    }
   };
   const auto param_dtype = params[0].scalar_type();
   TORCH_CHECK_TYPE(param_dtype == at::kFloat || is_low_precision(param_dtype), op,

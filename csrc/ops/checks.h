@@ -19,7 +19,8 @@ namespace leanddp::ops {
 // written (unflatten writes `tensors`, flatten writes `flat`). Checks: `flat` is 1-D and
 // contiguous; every tensor has flat's dtype and device; their total numel fits in `flat`; `scale`
 // is only given for floating dtypes; no written memory overlaps memory that is read, except a
-// tensor that *is* its own slice of `flat` (a bucket view), which is allowed. Returns the
+// tensor that *is* its own slice of `flat` (a bucket view: dense and non-overlapping in any
+// layout, its lowest element at its offset; see is_flat_slice), which is allowed. Returns the
 // exclusive prefix sums of the numels (the flat offset of each tensor), plus the total at the end.
 std::vector<int64_t> check_flat_args(const char* op, at::TensorList tensors, const at::Tensor& flat,
                                      const char* flat_name, bool tensors_written,
@@ -31,11 +32,14 @@ struct NamedList {
   at::TensorList tensors;
 };
 
-// Fused optimizer ops. `params` are contiguous, all on one device, of one dtype: float32, with
-// `states` float32, `grads` float32, bfloat16 or float16 (one dtype for all) and `param_copy`
-// empty or the same length, bfloat16 or float16; or bfloat16/float16, with `states` and
-// `grads` in that dtype and no `param_copy`. Each list matches params element-wise in numel,
-// device and contiguity. No tensor overlaps params[i] or another list's i-th tensor.
+// Fused optimizer ops. `params` are all on one device, of one dtype, each dense and
+// non-overlapping (contiguous, or permuted like channels_last or a transposed matrix): float32,
+// with `states` float32, `grads` float32, bfloat16 or float16 (one dtype for all) and
+// `param_copy` empty or the same length, bfloat16 or float16; or bfloat16/float16, with `states`
+// and `grads` in that dtype and no `param_copy`. Each list matches params element-wise in numel,
+// device and memory order (both contiguous, or the same sizes and strides), so the kernels step
+// all of them linearly from data_ptr(). No tensor overlaps params[i] or another list's i-th
+// tensor.
 void check_optim_lists(const char* op, at::TensorList params, at::TensorList grads,
                        std::initializer_list<NamedList> states, at::TensorList param_copy);
 

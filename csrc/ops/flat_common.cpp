@@ -6,7 +6,8 @@ namespace leanddp::ops {
 
 bool is_flat_slice(const at::Tensor& t, const at::Tensor& flat, int64_t offset) {
   const auto* base = static_cast<const char*>(flat.const_data_ptr());
-  return t.is_contiguous() && t.const_data_ptr() == base + offset * flat.element_size();
+  return t.const_data_ptr() == base + offset * flat.element_size() &&
+         t.is_non_overlapping_and_dense();
 }
 
 at::Tensor contiguous_stand_in(const at::Tensor& t, const at::Tensor& flat, int64_t offset,

@@ -15,8 +15,11 @@ inline char* raw_data(const at::Tensor& t, bool written) {
                  : const_cast<char*>(static_cast<const char*>(t.const_data_ptr()));
 }
 
-// True when `t` is contiguous and starts exactly at element `offset` of `flat` (shares its
-// memory): flattening it is a no-op, scaling it is an in-place multiply.
+// True when `t` is exactly its slice [offset, offset + numel) of `flat`: non-overlapping and
+// dense in any layout (contiguous, channels_last, a transposed matrix, ...), so its elements fill
+// the slice, and its lowest element (data_ptr(), torch strides being non-negative) is element
+// `offset`. Such a tensor is a bucket view: flattening it is a no-op, scaling it an in-place
+// multiply of the slice's numel elements from data_ptr() on, whatever its strides.
 bool is_flat_slice(const at::Tensor& t, const at::Tensor& flat, int64_t offset);
 
 // Copies to run after the kernel: (destination, staging) pairs.

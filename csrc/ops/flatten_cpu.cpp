@@ -2,7 +2,9 @@
 //
 // at::parallel_for splits the concatenation of the contiguous tensors into equal element ranges
 // (ConcatRange in chunks.h), copied with memcpy (streaming stores for large lists), or with the
-// vectorized scale loop when a scale is given; the rare non-contiguous tensor is moved by torch's
+// vectorized scale loop when a scale is given. A tensor that is its own slice of the flat buffer
+// (a bucket view, in any dense layout: channels_last, transposed, ...) is processed in place as
+// the numel elements from its lowest address; any other non-contiguous tensor is moved by torch's
 // strided copy_ and processed through a contiguous stand-in (flat_common.h).
 #include "checks.h"
 #include "chunks.h"  // ConcatRange
@@ -88,11 +90,13 @@ void flat_copy_cpu(const char* op, at::TensorList tensors, const at::Tensor& fla
   for (size_t i = 0; i < tensors.size(); ++i) {
     at::Tensor t = tensors[i];
     if (t.numel() == 0) continue;
-    if (!t.is_contiguous()) {
+    if (is_flat_slice(t, flat, offsets[i])) {
+      // Its own slice, in whatever dense layout: numel elements from data_ptr() on, in place.
+      if (!scale) continue;
+    } else if (!t.is_contiguous()) {
       t = contiguous_stand_in(t, flat, offsets[i], to_flat, scale.has_value(), pending);
       if (!t.defined()) continue;
     }
-    if (!scale && is_flat_slice(t, flat, offsets[i])) continue;
     data[i] = raw_data(t, /*written=*/!to_flat);
     numels[i] = t.numel();
   }

@@ -6,6 +6,7 @@ so a broadcast of hundreds of parameters is a handful of collectives.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import torch
@@ -47,22 +48,43 @@ def broadcast_from_rank0(tensors: Sequence[Tensor], group: dist.ProcessGroup) ->
         ops.unflatten_from(flat, chunk)
 
 
-def verify_same_parameters(named: Sequence[tuple[str, Tensor]], group: dist.ProcessGroup) -> None:
+def _all_gather_bytes(data: bytes, device: torch.device, group: dist.ProcessGroup) -> list[bytes]:
+    """Every rank's ``data``, gathered with tensor collectives on ``device``.
+
+    torch's ``all_gather_object`` stages objects on the *current* CUDA device for NCCL, so
+    without ``torch.cuda.set_device`` every rank would use cuda:0; the module's device is the
+    one the process group already serves for this model (torch's DDP verifies on it too).
+    """
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else None
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(group.size())]
+    dist.all_gather(sizes, size, group=group)
+    lengths = torch.cat(sizes).tolist()  # construction only: one host sync
+    padded = torch.zeros(max(max(lengths), 1), dtype=torch.uint8, device=device)
+    if mine is not None:
+        padded[: len(data)] = mine
+    gathered = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(gathered, padded, group=group)
+    return [bytes(t[:n].tolist()) for t, n in zip(gathered, lengths, strict=True)]
+
+
+def verify_same_parameters(
+    named: Sequence[tuple[str, Tensor]], group: dist.ProcessGroup, device: torch.device
+) -> None:
     """Raises ValueError on every rank, naming the first parameter whose name, shape or dtype
-    differs from rank 0's (or the count, if the ranks hold different numbers of parameters)."""
-    mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in named]
-    everyone: list[list[tuple[str, tuple[int, ...], str]] | None] = [None] * group.size()
-    dist.all_gather_object(everyone, mine, group=group)
+    differs from rank 0's (or the count, if the ranks hold different numbers of parameters).
+    The collectives run on ``device``, the module's."""
+    mine = [[name, list(p.shape), str(p.dtype)] for name, p in named]
+    gathered = _all_gather_bytes(json.dumps(mine).encode(), device, group)
+    everyone = [json.loads(b) for b in gathered]
     reference = everyone[0]
-    assert reference is not None
     for rank, theirs in enumerate(everyone[1:], start=1):
-        assert theirs is not None
         for i, (ref, other) in enumerate(zip(reference, theirs, strict=False)):
             if ref != other:
                 raise ValueError(
                     "leanddp.DistributedDataParallel: the model differs across ranks: "
-                    f"parameter #{i} is {ref[0]!r} {list(ref[1])} {ref[2]} on rank 0 but "
-                    f"{other[0]!r} {list(other[1])} {other[2]} on rank {rank}. Wrap the same "
+                    f"parameter #{i} is {ref[0]!r} {ref[1]} {ref[2]} on rank 0 but "
+                    f"{other[0]!r} {other[1]} {other[2]} on rank {rank}. Wrap the same "
                     "model on every rank."
                 )
         if len(reference) != len(theirs):

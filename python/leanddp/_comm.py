@@ -21,6 +21,10 @@ class GradBucket:
     The buffer holds this rank's gradients, not yet divided by the world size: the hook
     averages, as torch's hooks do. Its future's value (a tensor, or a list holding one) is
     copied back into the buffer, whose slices are the parameters' gradients.
+
+    A parameter with sparse gradients (``nn.Embedding(sparse=True)``) has a bucket of its own
+    whose buffer is its sparse gradient, as in torch: the future must hold a sparse tensor of the
+    parameter's shape (``allreduce_hook`` does on gloo), and :meth:`gradients` is empty.
     """
 
     def __init__(
@@ -40,7 +44,10 @@ class GradBucket:
         return self._buffer
 
     def gradients(self) -> list[Tensor]:
-        """The buffer's slices, one per parameter, shaped like the parameters."""
+        """The buffer's slices, one per parameter, shaped like the parameters (none for a
+        sparse bucket, as torch's)."""
+        if self._buffer.is_sparse:
+            return []
         out, offset = [], 0
         for p in self._params:
             out.append(self._buffer[offset : offset + p.numel()].view(p.shape))
@@ -57,20 +64,33 @@ class GradBucket:
 
     def set_buffer(self, buffer: Tensor) -> None:
         """Copies ``buffer`` into the bucket's buffer (the storage stays the Reducer's)."""
-        self._buffer.copy_(buffer.reshape(-1))
+        self._buffer.copy_(buffer if self._buffer.is_sparse else buffer.reshape(-1))
 
 
 def make_launcher(
     hook: Callable[[Any, GradBucket], torch.futures.Future],
     state: Any,
     params: Sequence[torch.nn.Parameter],
+    names: Sequence[str],
 ) -> Callable[[int, Tensor, bool, list[int]], torch.futures.Future]:
     """The function the Reducer calls per bucket (with the indices into ``params`` of the
-    bucket's parameters): builds the GradBucket and runs the hook."""
+    bucket's parameters; ``names`` names them): builds the GradBucket and runs the hook."""
 
     def launch(index: int, buffer: Tensor, is_last: bool, members: list[int]) -> Any:
         bucket = GradBucket(index, buffer, is_last, [params[i] for i in members])
-        future = hook(state, bucket)
+        if not buffer.is_sparse:
+            future = hook(state, bucket)
+        else:
+            try:
+                future = hook(state, bucket)
+            except Exception as e:
+                raise RuntimeError(
+                    "leanddp.DistributedDataParallel: the communication hook failed on the "
+                    f"sparse gradient of {names[members[0]]} (a module with sparse=True), which "
+                    "it receives as the bucket's buffer, as in torch's DDP: use a hook that "
+                    "handles sparse tensors (torch's allreduce_hook does), or build the module "
+                    f"with sparse=False. The error: {e}"
+                ) from e
         if not isinstance(future, torch._C.Future):  # torch.futures.Future and c10d's futures
             raise TypeError(
                 "leanddp.DistributedDataParallel: a communication hook must return a "

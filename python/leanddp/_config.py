@@ -61,6 +61,10 @@ class DDPConfig:
     """offload_to_cpu: clip the gradients' global 2-norm to this, as clip_grad_norm_ would."""
     offload_threads: int = 1
     """offload_to_cpu: threads of the host optimizer step."""
+    sparse_names: tuple[str, ...] = ()
+    """Trainable parameters whose gradients are sparse tensors (torch's rule: parameters of
+    ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``): each is reduced on its own as a
+    sparse tensor, never a bucket view."""
     check_for_nan_in_grad: bool | str = False
     """Raise on every rank, at the end of backward, if a reduced gradient holds NaN or inf:
     True, or ``"strict"`` (with optimizer_in_backward on the device, the steps then wait for the
@@ -190,20 +194,29 @@ def _check_module(module: Any, ignored: Sequence[str]) -> torch.device:
             first.setdefault(p.device, n)
         listed = ", ".join(f"{n!r} on {d}" for d, n in first.items())
         _fail(f"parameters are on several devices ({listed}); leanddp needs one device per rank")
-    for prefix, sub in module.named_modules():
-        if getattr(sub, "sparse", False) is True and any(
-            p.requires_grad for p in sub.parameters(recurse=False)
-        ):
-            _fail(
-                f"module {prefix or type(sub).__name__!r} produces sparse gradients "
-                "(sparse=True), which leanddp does not reduce; use sparse=False"
-            )
     for n, p in trainable:
         if not (p.is_floating_point() or p.is_complex()):
             _fail(f"parameter {n!r} has dtype {p.dtype}; trainable parameters must be floating")
         if p.layout != torch.strided:
             _fail(f"parameter {n!r} has layout {p.layout}; leanddp needs dense parameters")
     return devices.pop()
+
+
+def sparse_gradient_names(module: nn.Module, ignored: Sequence[str]) -> tuple[str, ...]:
+    """The trainable parameters torch's DDP expects sparse gradients for
+    (``_build_params_for_reducer``): those of ``nn.Embedding``/``nn.EmbeddingBag`` modules with
+    ``sparse=True``; a parameter shared by several modules counts for the first that holds it."""
+    seen: set[int] = set()
+    names = []
+    for prefix, sub in module.named_modules():
+        for local, p in sub.named_parameters(recurse=False):
+            name = f"{prefix}.{local}" if prefix else local
+            if not p.requires_grad or name in ignored or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+                names.append(name)
+    return tuple(names)
 
 
 def check_arguments(module: Any, **kw: Any) -> DDPConfig:
@@ -230,6 +243,15 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
     caps = _caps(kw["bucket_cap_mb"], kw["bucket_cap_mb_list"])
     ignored = tuple(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
     device = _check_module(module, ignored)
+    sparse_names = sparse_gradient_names(module, ignored)
+    if sparse_names and factory is not None:
+        _fail(
+            f"parameter {sparse_names[0]!r} gets sparse gradients (a module with sparse=True), "
+            "which optimizer_in_backward"
+            f"{' with offload_to_cpu' if offload else ''} cannot step: its fused and host "
+            "optimizers take dense gradients. Build the module with sparse=False, or train "
+            "without optimizer_in_backward (sparse gradients are then reduced as in torch's DDP)"
+        )
     device_ids = kw["device_ids"]
     if device_ids is not None:
         device_ids = [torch.device(d).index if not isinstance(d, int) else d for d in device_ids]
@@ -270,4 +292,5 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
         max_grad_norm=max_grad_norm,
         offload_threads=offload_threads,
         check_for_nan_in_grad=nan_check,
+        sparse_names=sparse_names,
     )

@@ -59,6 +59,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     steps to the end of backward so that no weight changes, holding every gradient bucket until
     then. See docs/reliability.md for what happens on errors.
 
+    Parameters of ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` get sparse
+    gradients, reduced as torch's DDP reduces them (a bucket of their own, the process group's
+    sparse allreduce, ``param.grad`` a sparse tensor, never a view); not with
+    ``optimizer_in_backward``.
+
     Construction broadcasts parameters and buffers from rank 0 and checks that every rank
     holds the same parameters (a collective every rank must enter), unless
     ``init_sync=False``.
@@ -150,7 +155,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 "in-backward steps unscale); without it use GradScaler as with torch's DDP"
             )
         if config.init_sync:
-            verify_same_parameters(self._named_trainable, self.process_group)
+            verify_same_parameters(
+                self._named_trainable, self.process_group, self._named_trainable[0][1].device
+            )
             state = [
                 p for name, p in module.named_parameters() if name not in self.parameters_to_ignore
             ]
@@ -217,6 +224,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         named = self._named_trainable
         self._params = [p for _, p in named]
         self._param_names = [name for name, _ in named]
+        sparse = set(self._config.sparse_names)
         self.reducer = _C.Reducer(
             self._params,
             [name for name, _ in named],
@@ -227,6 +235,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.static_graph,
             self._in_backward is not None,
             self._config.nan_check,
+            [name in sparse for name in self._param_names],
         )
         if self._in_backward is not None:
             self._in_backward.attach(self.reducer)
@@ -337,7 +346,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._comm_hooks.append((hook, state))
 
     def _attach_comm_hook(self, hook: Callable, state: object) -> None:
-        self.reducer.register_comm_hook(_comm.make_launcher(hook, state, self._params))
+        self.reducer.register_comm_hook(
+            _comm.make_launcher(hook, state, self._params, self._param_names)
+        )
 
     def _set_static_graph(self) -> None:
         """torch's switch: declares the set of used parameters fixed (before the first step)."""
@@ -367,30 +378,47 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         :meth:`join` does."""
         return _UnevenInputsHook()
 
-    def memory_stats(self) -> dict[str, int]:
+    def memory_stats(self) -> dict[str, Any]:
         """Bytes held now: ``param_bytes`` (trainable parameters), ``bucket_bytes`` (flat
         buckets allocated), ``grad_bytes`` (gradients held outside the buckets),
-        ``optimizer_state_bytes`` (``self.optimizer``'s state, on the host with offload_to_cpu;
-        0 without optimizer_in_backward), ``host_master_bytes`` (float32 master weights of
-        bfloat16/float16 parameters and copies of float32 ones, offload_to_cpu) and
-        ``host_buffer_bytes`` (offload_to_cpu's host staging buffers); the counts
-        ``grads_as_views``, ``grads_outside`` and ``num_buckets``; and, for the last
-        synchronized backward, ``peak_bucket_bytes`` (most bucket bytes allocated at once) and
+        ``optimizer_state_bytes`` (``self.optimizer``'s state, in ordinary host memory with
+        offload_to_cpu; 0 without optimizer_in_backward), ``host_master_bytes`` (float32 master
+        weights on the host with offload_to_cpu: ordinary memory for bfloat16/float16
+        parameters, the copy-back staging buffer itself for float32 ones),
+        ``host_buffer_bytes`` (offload_to_cpu's other staging buffers) and
+        ``host_pinned_bytes`` (how many of those host bytes are pinned: the staging buffers that
+        cross PCIe when the model is on a GPU, nothing else); the counts ``grads_as_views``,
+        ``grads_outside`` and ``num_buckets``; for the last synchronized backward,
+        ``peak_bucket_bytes`` (most bucket bytes allocated at once) and
         ``max_buckets_in_flight`` (most buckets reduced or reducing but not yet stepped, with
-        optimizer_in_backward)."""
+        optimizer_in_backward); and ``host_bytes_per_param``: host bytes per trainable
+        parameter by category (``optimizer_state``, ``master_weights``, ``staging``,
+        ``pinned``; all 0.0 without offload_to_cpu)."""
         s = self.reducer.memory_stats()
+        numel = max(1, sum(p.numel() for p in self._params))
+        state = self._in_backward.state_bytes() if self._in_backward else 0
+        offload = self._config.offload_to_cpu
+        host = {
+            "optimizer_state": state if offload else 0,
+            # float32 masters are the copy-back staging buffer: counted as masters only
+            "master_weights": s.host_master_bytes,
+            "staging": s.host_buffer_bytes,
+            "pinned": s.host_pinned_bytes,
+        }
         return {
             "param_bytes": sum(p.numel() * p.element_size() for p in self._params),
             "bucket_bytes": s.bucket_bytes,
             "grad_bytes": s.grad_bytes,
-            "optimizer_state_bytes": self._in_backward.state_bytes() if self._in_backward else 0,
+            "optimizer_state_bytes": state,
             "host_master_bytes": s.host_master_bytes,
             "host_buffer_bytes": s.host_buffer_bytes,
+            "host_pinned_bytes": s.host_pinned_bytes,
             "grads_as_views": s.grads_as_views,
             "grads_outside": s.grads_outside,
             "num_buckets": s.num_buckets,
             "peak_bucket_bytes": s.peak_bucket_bytes,
             "max_buckets_in_flight": s.max_buckets_in_flight,
+            "host_bytes_per_param": {k: v / numel for k, v in host.items()},
         }
 
     def offload_stats(self) -> dict[str, float]:

@@ -10,9 +10,12 @@ scheduler changes and its ``state_dict()`` has exactly torch's format.
   (float32 math; state in the parameters' dtype, as torch's fused optimizers keep it): their
   state lives in flat per-bucket buffers, and ``optimizer.state`` holds views of it. A tensor
   ``lr`` on the parameters' device is handed to the kernels as a tensor, never read by the host.
-* Every other case (another class, an option the kernels lack, a non-contiguous or
-  float64 parameter) is stepped by a per-bucket instance of the user's class over that bucket's
-  parameters, sharing ``optimizer.state`` (:class:`_FallbackStepper`).
+  A parameter in another dense layout (channels_last, a transposed matrix) is stepped there too:
+  its gradient view and its state keep its strides, so the kernels go through memory in order.
+* Every other case (another class, an option the kernels lack, a float64 parameter or one
+  with gaps or overlaps, such as a strided slice) is stepped by a per-bucket instance of the
+  user's class over that bucket's parameters, sharing ``optimizer.state``
+  (:class:`_FallbackStepper`).
 * ``grad_scaler`` (a ``torch.amp.GradScaler``): the kernels divide the gradients by its scale
   and skip, on the device, the buckets whose gradients hold inf/NaN (and every bucket stepped
   after one in that backward); ``scaler.step(ddp.optimizer)`` steps nothing and hands the
@@ -110,6 +113,19 @@ def check_offload(
             )
 
 
+def _is_dense(t: Tensor) -> bool:
+    """Whether ``t`` is non-overlapping and dense in some layout (c10's
+    ``is_non_overlapping_and_dense``, which is what the C++ side's ``can_step`` asks): its
+    elements, ordered by stride, fill exactly ``numel`` consecutive slots."""
+    expected = 1
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz >= 2)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def fused_kind(optimizer: torch.optim.Optimizer | type) -> str:
     """ "sgd" or "adam" when leanddp's fused kernels can step this optimizer (or class), else
     ""."""
@@ -177,7 +193,8 @@ class InBackward:
         self.params = params
         self.group_of = group_of
         self.offload = (offload, offload_threads, max_grad_norm)
-        self.fused = [bool(self.kind) and p.dtype in _MASTER_DTYPES and p.is_contiguous() for p in params]
+        layout_ok = Tensor.is_contiguous if offload else _is_dense
+        self.fused = [bool(self.kind) and p.dtype in _MASTER_DTYPES and layout_ok(p) for p in params]
         self._generation = -1
         self.loading = False  # inside optimizer.load_state_dict(): the state is the loaded one
         self.device = params[0].device

@@ -3,10 +3,14 @@
 // Every tensor is cut into chunks (chunks.h) of kChunkBytes; block b copies chunk b. Contiguous
 // tensors are stored in 16-byte accesses, and loaded in them too when source and destination
 // share their alignment within 16 bytes (always, for slices that start on 16-byte boundaries),
-// with a scalar head and tail; non-contiguous tensors are indexed through their collapsed sizes and
-// strides (up to kMaxDims of them; beyond, through a contiguous stand-in, flat_common.h). Without
-// a scale the copy only depends on the element size, so any dtype works; with one, the element
-// is multiplied in its math type (float for half/bfloat16).
+// with a scalar head and tail. A tensor that is its own slice of the flat buffer (a bucket view
+// in any dense layout: channels_last, transposed, ...) is such a contiguous range too: the numel
+// elements from its lowest address, scaled in place. Other non-contiguous tensors are indexed
+// through their collapsed sizes and strides (up to kMaxDims of them; beyond, through a contiguous
+// stand-in, flat_common.h), with precomputed 32-bit divisors (multiply and shift, no division)
+// when their numel fits. Without a scale the copy only depends on the element size, so any dtype
+// works; with one, the element is multiplied in its math type (float for half/bfloat16). The
+// per-launch tables travel as a by-value kernel argument when small (common.cuh, MetaArg).
 #include "../checks.h"
 #include "../flat_common.h"
 #include "common.cuh"
@@ -14,6 +18,7 @@
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
+#include <ATen/cuda/detail/IntegerDivider.cuh>
 
 namespace leanddp::ops::cuda {
 namespace {
@@ -30,6 +35,8 @@ struct TensorDesc {
 
 struct StridedDesc {
   int32_t ndim;
+  int32_t fast;  // numel <= INT32_MAX: 32-bit indices divided through `div`
+  at::cuda::detail::IntDivider<uint32_t> div[kMaxDims];  // sizes[d] as fast divisors (if fast)
   int64_t sizes[kMaxDims];
   int64_t strides[kMaxDims];  // in elements
 };
@@ -50,16 +57,32 @@ bool collapse_dims(const at::Tensor& t, StridedDesc& out) {
     ++n;
   }
   out.ndim = n;
+  out.fast = t.numel() <= std::numeric_limits<int32_t>::max();
+  for (int32_t d = 0; d < n && out.fast; ++d) {
+    out.div[d] = at::cuda::detail::IntDivider<uint32_t>(static_cast<uint32_t>(out.sizes[d]));
+  }
   return true;
 }
 
+// Element offset of row-major element `linear` of a strided tensor. The outermost dim needs no
+// division: what is left of `linear` there is its index.
 __device__ __forceinline__ int64_t strided_offset(const StridedDesc& s, int64_t linear) {
+  if (s.ndim == 0) return 0;
   int64_t off = 0;
-  for (int d = s.ndim - 1; d >= 0; --d) {
+  if (s.fast) {
+    auto rest = static_cast<uint32_t>(linear);
+    for (int d = s.ndim - 1; d > 0; --d) {
+      const auto qr = s.div[d].divmod(rest);
+      off += static_cast<int64_t>(qr.mod) * s.strides[d];
+      rest = qr.div;
+    }
+    return off + static_cast<int64_t>(rest) * s.strides[0];
+  }
+  for (int d = s.ndim - 1; d > 0; --d) {
     off += (linear % s.sizes[d]) * s.strides[d];
     linear /= s.sizes[d];
   }
-  return off;
+  return off + linear * s.strides[0];
 }
 
 template <typename T>
@@ -111,10 +134,10 @@ __device__ void copy_contiguous(const T* src, T* dst, int64_t n, const Op& op) {
 
 template <typename T, bool kToFlat, typename Op>
 __global__ void __launch_bounds__(kThreads)
-    flat_copy_kernel(const TensorDesc* __restrict__ tensors,
-                     const StridedDesc* __restrict__ strided, const Chunk* __restrict__ chunks,
-                     T* flat, int64_t chunk_elems, Op op) {
-  const Chunk c = chunks[blockIdx.x];
+    flat_copy_kernel(const __grid_constant__ MetaArg meta, T* flat, int64_t chunk_elems, Op op) {
+  const TensorDesc* tensors = meta.array<TensorDesc>(0);
+  const StridedDesc* strided = meta.array<StridedDesc>(1);
+  const Chunk c = meta.array<Chunk>(2)[blockIdx.x];
   const TensorDesc d = tensors[c.tensor];
   const int64_t begin = chunk_begin(c, chunk_elems);
   const int64_t len = chunk_len(c, chunk_elems, d.numel);
@@ -179,7 +202,12 @@ void flat_copy_cuda(const char* op, at::TensorList tensors, const at::Tensor& fl
                     std::optional<double> scale, bool to_flat) {
   const auto offsets =
       check_flat_args(op, tensors, flat, to_flat ? "out" : "flat", !to_flat, scale);
-  refuse_graph_capture(op);
+  const int64_t chunk_elems = kChunkBytes / flat.element_size();
+  size_t non_contiguous = 0;
+  for (const auto& t : tensors) non_contiguous += t.is_contiguous() ? 0 : 1;
+  refuse_graph_capture(op, meta_bytes<TensorDesc>(tensors.size()) +
+                               meta_bytes<StridedDesc>(non_contiguous) +
+                               meta_bytes<Chunk>(chunk_bound(tensors, chunk_elems)));
   const c10::cuda::CUDAGuard guard(flat.device());
   std::vector<TensorDesc> descs(tensors.size());
   std::vector<StridedDesc> strided;
@@ -189,7 +217,10 @@ void flat_copy_cuda(const char* op, at::TensorList tensors, const at::Tensor& fl
     at::Tensor t = tensors[i];
     descs[i] = {nullptr, 0, offsets[i], -1};
     if (t.numel() == 0) continue;
-    if (!t.is_contiguous()) {
+    if (is_flat_slice(t, flat, offsets[i])) {
+      // Its own slice, in whatever dense layout: numel elements from data_ptr() on, in place.
+      if (!scale) continue;
+    } else if (!t.is_contiguous()) {
       StridedDesc s{};
       if (collapse_dims(t, s)) {
         descs[i].strided = static_cast<int32_t>(strided.size());
@@ -199,27 +230,24 @@ void flat_copy_cuda(const char* op, at::TensorList tensors, const at::Tensor& fl
         if (!t.defined()) continue;
       }
     }
-    if (!scale && is_flat_slice(t, flat, offsets[i])) continue;
     descs[i].data = raw_data(t, /*written=*/!to_flat);
     descs[i].numel = numels[i] = t.numel();
   }
-  const int64_t chunk_elems = kChunkBytes / flat.element_size();
   const auto chunks = plan_chunks(numels, chunk_elems);
   if (chunks.empty()) return;  // nothing was staged either: staging implies a chunk
 
   LaunchMeta meta;
-  const size_t descs_at = meta.add(descs);
-  const size_t strided_at = meta.add(strided);
-  const size_t chunks_at = meta.add(chunks);
-  meta.upload(flat.device());
+  meta.add(descs);    // array 0
+  meta.add(strided);  // array 1
+  meta.add(chunks);   // array 2
+  const MetaArg& meta_arg = meta.finish(flat.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   auto launch = [&](auto tag, auto op_fn) {
     using T = typename decltype(tag)::type;
     auto kernel = to_flat ? flat_copy_kernel<T, true, decltype(op_fn)>
                           : flat_copy_kernel<T, false, decltype(op_fn)>;
     kernel<<<static_cast<unsigned>(chunks.size()), kThreads, 0, stream>>>(
-        meta.at<TensorDesc>(descs_at), meta.at<StridedDesc>(strided_at), meta.at<Chunk>(chunks_at),
-        reinterpret_cast<T*>(raw_data(flat, to_flat)), chunk_elems, op_fn);
+        meta_arg, reinterpret_cast<T*>(raw_data(flat, to_flat)), chunk_elems, op_fn);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (scale) {

@@ -72,8 +72,9 @@ struct SgdRule {
 // P: the parameters' (and state's) dtype; G: the gradients'; C: param_copy's.
 template <typename Rule, typename P, typename G, typename C, bool kCopy>
 __global__ void __launch_bounds__(kThreads)
-    optim_kernel(const OptimTensor* __restrict__ tensors, const Chunk* __restrict__ chunks,
-                 Rule rule, Scalars scalars) {
+    optim_kernel(const __grid_constant__ MetaArg meta, Rule rule, Scalars scalars) {
+  const OptimTensor* tensors = meta.array<OptimTensor>(0);
+  const Chunk* chunks = meta.array<Chunk>(1);
   // GradScaler found an inf/NaN: as torch's fused kernels, do nothing.
   if (scalars.found_inf && *scalars.found_inf != 0.0f) return;
   const Chunk ch = chunks[blockIdx.x];
@@ -137,6 +138,12 @@ Scalars scalars_of(const DeviceScalars& s) {
   return out;
 }
 
+// An upper bound of the metadata bytes launch_optim adds for `params`.
+size_t meta_bound(at::TensorList params) {
+  return meta_bytes<OptimTensor>(params.size()) +
+         meta_bytes<Chunk>(chunk_bound(params, kChunkElems));
+}
+
 // Launches optim_kernel<Rule, ...> over `params` with the param, grad and copy dtypes of the
 // lists.
 template <typename Rule>
@@ -161,9 +168,9 @@ void launch_optim(const Rule& rule, const DeviceScalars& device_scalars, at::Ten
   const auto chunks = plan_chunks(numels, kChunkElems);
   if (chunks.empty()) return;
   LaunchMeta meta;
-  const size_t tensors_at = meta.add(tensors);
-  const size_t chunks_at = meta.add(chunks);
-  meta.upload(params[0].device());
+  meta.add(tensors);  // array 0
+  meta.add(chunks);   // array 1
+  const MetaArg& meta_arg = meta.finish(params[0].device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const Scalars scalars = scalars_of(device_scalars);
 
@@ -173,7 +180,7 @@ void launch_optim(const Rule& rule, const DeviceScalars& device_scalars, at::Ten
     using C = typename decltype(copy_tag)::type;
     optim_kernel<Rule, P, G, C, decltype(has_copy)::value>
         <<<static_cast<unsigned>(chunks.size()), kThreads, 0, stream>>>(
-            meta.at<OptimTensor>(tensors_at), meta.at<Chunk>(chunks_at), rule, scalars);
+            meta_arg, rule, scalars);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   // bf16/fp16 params: grads of their dtype, no copy (checks.h).
@@ -220,7 +227,7 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   const DeviceScalars scalars{lr_tensor, state_steps, amp_scale, found_inf};
   check_adam_args(params, grads, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps,
                   weight_decay, step, grad_scale, scalars);
-  refuse_graph_capture("leanddp::adam_step_");
+  refuse_graph_capture("leanddp::adam_step_", meta_bound(params));
   const AdamRule rule{make_adam_consts(lr, beta1, beta2, eps, weight_decay, step,
                                        decoupled_weight_decay, maximize, grad_scale)};
   launch_optim(rule, scalars, params, grads, exp_avg, exp_avg_sq, param_copy);
@@ -235,7 +242,7 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
   const DeviceScalars scalars{lr_tensor, {}, amp_scale, found_inf};
   check_sgd_args(params, grads, momentum_buffer, param_copy, lr, momentum, dampening, nesterov,
                  weight_decay, grad_scale, scalars);
-  refuse_graph_capture("leanddp::sgd_step_");
+  refuse_graph_capture("leanddp::sgd_step_", meta_bound(params));
   const auto consts = make_sgd_consts(lr, momentum, dampening, nesterov, weight_decay, maximize,
                                       first_step, grad_scale);
   if (momentum_buffer.empty()) {
