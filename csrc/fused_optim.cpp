@@ -30,15 +30,15 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
 
 void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
               at::TensorList copies, const OptimHyper& h, bool first_step, const StepTargets& t) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("leanddp::sgd_step_", "")
-                       .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                                   double, double, double, bool, double, bool, bool,
-                                   std::optional<double>, const OptTensor&, const OptTensor&,
-                                   const OptTensor&)>();
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("leanddp::sgd_step_", "")
+          .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, double,
+                      double, double, bool, double, bool, bool, std::optional<double>,
+                      const OptTensor&, const OptTensor&, const OptTensor&)>();
   op.call(params, grads, momentum_buffer, copies, h.lr, h.momentum, h.dampening, h.nesterov,
-          h.weight_decay, h.maximize, first_step, t.grad_scale, opt(h.lr_tensor),
-          opt(t.amp_scale), opt(t.found_inf));
+          h.weight_decay, h.maximize, first_step, t.grad_scale, opt(h.lr_tensor), opt(t.amp_scale),
+          opt(t.found_inf));
 }
 
 }  // namespace

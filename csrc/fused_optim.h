@@ -3,10 +3,11 @@
 //
 // It owns the optimizer state in torch's format but laid out like the buckets: one flat
 // buffer per state kind per bucket, in the parameters' dtype (float32, or bfloat16/float16
-// stepped in float32 math: torch's fused optimizers keep such state in the parameter's dtype) (exp_avg and exp_avg_sq for Adam, momentum_buffer for SGD),
-// allocated at the bucket's first step, so a bucket's step is one kernel launch per parameter
-// group. Per parameter it keeps torch's `step` tensor (Adam). Python exposes the per-parameter
-// views as the `state` of the user's torch optimizer, so checkpoints have torch's format.
+// stepped in float32 math: torch's fused optimizers keep such state in the parameter's dtype)
+// (exp_avg and exp_avg_sq for Adam, momentum_buffer for SGD), allocated at the bucket's first step,
+// so a bucket's step is one kernel launch per parameter group. Per parameter it keeps torch's
+// `step` tensor (Adam). Python exposes the per-parameter views as the `state` of the user's torch
+// optimizer, so checkpoints have torch's format.
 //
 // With offload_to_cpu (`on_host`) the same code steps the fp32 master weights in host memory:
 // the state lives in ordinary host memory (it never crosses PCIe), float32 whatever

@@ -289,10 +289,10 @@ class Reducer {
   bool has_rebuilt_ = false;
   std::vector<int64_t> ready_order_;  // first synchronized backward's readiness order
   std::unique_ptr<CommHook> comm_hook_;
-  std::unique_ptr<FusedOptimizer> fused_;    // optimizer_in_backward, fused buckets
-  std::unique_ptr<BucketStepper> fallback_;  // optimizer_in_backward, the other buckets
+  std::unique_ptr<FusedOptimizer> fused_;           // optimizer_in_backward, fused buckets
+  std::unique_ptr<BucketStepper> fallback_;         // optimizer_in_backward, the other buckets
   at::Tensor amp_scale_, amp_found_inf_, amp_one_;  // set_grad_scaler (amp_one_: 1.0 there)
-  std::unique_ptr<HostOffload> offload_;     // offload_to_cpu: steps every bucket on the host
+  std::unique_ptr<HostOffload> offload_;  // offload_to_cpu: steps every bucket on the host
 
   // Per synchronized backward; reset by prepare_for_backward().
   bool armed_ = false;  // hooks count readiness (false: no_sync / no forward)

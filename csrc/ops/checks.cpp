@@ -172,8 +172,8 @@ void check_optim_lists(const char* op, at::TensorList params, at::TensorList gra
                    "; expected Float, BFloat16 or Half");
   TORCH_CHECK_TYPE(!low || grad_dtype == param_dtype, op, ": grads[0] has dtype ", grad_dtype,
                    " but params are ", param_dtype, "; bf16/fp16 params take grads of their dtype");
-  TORCH_CHECK_VALUE(!low || param_copy.empty(), op,
-                    ": param_copy must be empty when params are ", param_dtype);
+  TORCH_CHECK_VALUE(!low || param_copy.empty(), op, ": param_copy must be empty when params are ",
+                    param_dtype);
   const auto copy_dtype = param_copy.empty() ? at::kBFloat16 : param_copy[0].scalar_type();
   TORCH_CHECK_TYPE(is_low_precision(copy_dtype), op, ": param_copy[0] has dtype ", copy_dtype,
                    "; expected BFloat16 or Half");
@@ -233,9 +233,9 @@ void check_grad_scale(const char* op, std::optional<double> grad_scale) {
 void check_scalar(const char* op, const char* name, const at::Tensor& t, at::TensorList params,
                   bool allow_double) {
   TORCH_CHECK_VALUE(t.numel() == 1, op, ": ", name, " must have one element, got ", t.numel());
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || (allow_double && t.scalar_type() == at::kDouble),
-                   op, ": ", name, " has dtype ", t.scalar_type(), "; expected Float",
-                   allow_double ? " or Double" : "");
+  TORCH_CHECK_TYPE(
+      t.scalar_type() == at::kFloat || (allow_double && t.scalar_type() == at::kDouble), op, ": ",
+      name, " has dtype ", t.scalar_type(), "; expected Float", allow_double ? " or Double" : "");
   if (!params.empty()) {
     TORCH_CHECK_VALUE(t.device() == params[0].device(), op, ": ", name, " is on ", t.device(),
                       " but params[0] is on ", params[0].device());

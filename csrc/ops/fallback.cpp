@@ -29,8 +29,7 @@ void adam_step_fallback(at::TensorList params, at::TensorList grads, at::TensorL
 void sgd_step_fallback(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
                        at::TensorList param_copy, double lr, double momentum, double dampening,
                        bool nesterov, double weight_decay, bool, bool,
-                       std::optional<double> grad_scale,
-                       const std::optional<at::Tensor>& lr_tensor,
+                       std::optional<double> grad_scale, const std::optional<at::Tensor>& lr_tensor,
                        const std::optional<at::Tensor>& amp_scale,
                        const std::optional<at::Tensor>& found_inf) {
   check_sgd_args(params, grads, momentum_buffer, param_copy, lr, momentum, dampening, nesterov,

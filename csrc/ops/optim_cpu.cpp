@@ -119,8 +119,8 @@ bool skipped(const std::optional<at::Tensor>& found_inf) {
 void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
                    at::TensorList exp_avg_sq, at::TensorList param_copy, double lr, double beta1,
                    double beta2, double eps, double weight_decay, int64_t step,
-                   bool decoupled_weight_decay, bool maximize, std::optional<double> grad_scale, at::TensorList state_steps,
-                   const std::optional<at::Tensor>& lr_tensor,
+                   bool decoupled_weight_decay, bool maximize, std::optional<double> grad_scale,
+                   at::TensorList state_steps, const std::optional<at::Tensor>& lr_tensor,
                    const std::optional<at::Tensor>& amp_scale,
                    const std::optional<at::Tensor>& found_inf) {
   const DeviceScalars scalars{lr_tensor, state_steps, amp_scale, found_inf};

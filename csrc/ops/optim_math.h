@@ -1,12 +1,14 @@
 // The per-element arithmetic of the fused optimizers, shared by the CPU and CUDA kernels.
 //
 // Hyper-parameters are reduced once per call, in double, to the float constants the update
-// needs (the learning rate and GradScaler's scale may instead be read from device tensors by
-// the kernel itself: set_lr() and the amp_scale field), rounded exactly as torch's foreach implementations round their Python-float scalars;
-// the element updates then apply the same operations in the same order as torch.optim.Adam(W)
-// and torch.optim.SGD, so results agree with torch to float rounding. Both backends compile this
-// without FMA contraction (-ffp-contract=off, nvcc --fmad=false) and with IEEE sqrt and division,
-// so the CPU and CUDA kernels give bit-identical results.
+// needs (the learning rate and GradScaler's scale may instead be read from device tensors by the
+// kernel itself: set_lr() and the amp_scale field), rounded as torch's fused kernels round them.
+// The element updates apply the same operations in the same order as torch's fused CPU Adam(W)
+// (including the multiply-adds its build fuses, written here as explicit fmaf) and torch.optim.SGD,
+// so results agree with torch to float rounding, and float32, bfloat16 and float16 Adam(W) are
+// bitwise equal to torch's fused CPU kernel in practice. Both backends compile this without any
+// other FMA contraction (-ffp-contract=off, nvcc --fmad=false), with IEEE sqrt and division, so
+// the CPU and CUDA kernels give bit-identical results.
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -34,7 +36,7 @@ struct AdamConsts {
   float bc2_sqrt;       // sqrt(1 - beta2^step)
   float eps;
   // Kept to derive the lr-dependent constants from a learning rate read later (set_lr).
-  double bc1;  // 1 - beta1^step
+  double bc1;               // 1 - beta1^step
   double beta1_d, beta2_d;  // beta1, beta2 (for set_step)
   double weight_decay;
   bool decoupled;
@@ -79,14 +81,18 @@ inline AdamConsts make_adam_consts(double lr, double beta1, double beta2, double
 // One element: p, m, v updated in place from gradient g.
 C10_HOST_DEVICE inline void adam_update(float& p, float g, float& m, float& v,
                                         const AdamConsts& c) {
-  g = g * c.grad_mul / c.amp_scale;  // torch's fused kernels: grad / grad_scale (exact for 1)
-  g = c.use_l2 ? g + c.l2 * p : g;  // torch: grad.add(param, alpha=weight_decay)
-  p = p * c.decay_mul;              // torch: param.mul_(1 - lr * weight_decay)
-  const float diff = g - m;         // torch: exp_avg.lerp_(grad, 1 - beta1), both of lerp's forms
-  m = c.lerp_small ? m + c.lerp_w * diff : g - diff * c.lerp_w_comp;
-  v = v * c.beta2 + c.one_minus_beta2 * g * g;  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1-beta2)
+  g = g * c.grad_mul / c.amp_scale;     // torch's fused kernels: grad / grad_scale (exact for 1)
+  g = c.use_l2 ? fmaf(p, c.l2, g) : g;  // torch: grad.add(param, alpha=weight_decay)
+  p = p * c.decay_mul;                  // torch: param.mul_(1 - lr * weight_decay)
+  // torch: exp_avg.lerp_(grad, 1 - beta1) in both of lerp's forms, each one fused multiply-add
+  // as torch's vectorized CPU lerp and fused Adam compute it (fmaf: the same bits on CUDA).
+  const float diff = g - m;
+  m = c.lerp_small ? fmaf(c.lerp_w, diff, m) : fmaf(-c.lerp_w_comp, diff, g);
+  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2), with the multiply-add torch's CPU build
+  // fuses it into
+  v = fmaf(c.one_minus_beta2 * g, g, v * c.beta2);
   const float denom = sqrtf(v) / c.bc2_sqrt + c.eps;  // (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
-  p = p + c.neg_step_size * (m / denom);              // param.addcdiv_(exp_avg, denom, -step_size)
+  p = p + c.neg_step_size * m / denom;  // torch's fused Adam: param - step_size * exp_avg / denom
 }
 
 // SGD with optional momentum, dampening, Nesterov and L2 weight decay.

@@ -148,7 +148,8 @@ def _lr(lr: Any, device: torch.device | None) -> float | Tensor:
         if device is not None and lr.device == device:
             return lr.reshape(())
         if lr.device.type != "cpu":
-            _fail(f"a tensor lr must be on the parameters' device ({device}) or the CPU, got {lr.device}")
+            where = f"the parameters' device ({device}) or the CPU"
+            _fail(f"a tensor lr must be on {where}, got {lr.device}")
     return float(lr)
 
 
@@ -194,7 +195,9 @@ class InBackward:
         self.group_of = group_of
         self.offload = (offload, offload_threads, max_grad_norm)
         layout_ok = Tensor.is_contiguous if offload else _is_dense
-        self.fused = [bool(self.kind) and p.dtype in _MASTER_DTYPES and layout_ok(p) for p in params]
+        self.fused = [
+            bool(self.kind) and p.dtype in _MASTER_DTYPES and layout_ok(p) for p in params
+        ]
         self._generation = -1
         self.loading = False  # inside optimizer.load_state_dict(): the state is the loaded one
         self.device = params[0].device

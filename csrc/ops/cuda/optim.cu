@@ -179,8 +179,7 @@ void launch_optim(const Rule& rule, const DeviceScalars& device_scalars, at::Ten
     using G = typename decltype(grad_tag)::type;
     using C = typename decltype(copy_tag)::type;
     optim_kernel<Rule, P, G, C, decltype(has_copy)::value>
-        <<<static_cast<unsigned>(chunks.size()), kThreads, 0, stream>>>(
-            meta_arg, rule, scalars);
+        <<<static_cast<unsigned>(chunks.size()), kThreads, 0, stream>>>(meta_arg, rule, scalars);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   // bf16/fp16 params: grads of their dtype, no copy (checks.h).
@@ -220,8 +219,8 @@ void launch_optim(const Rule& rule, const DeviceScalars& device_scalars, at::Ten
 void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
                     at::TensorList exp_avg_sq, at::TensorList param_copy, double lr, double beta1,
                     double beta2, double eps, double weight_decay, int64_t step,
-                    bool decoupled_weight_decay, bool maximize, std::optional<double> grad_scale, at::TensorList state_steps,
-                    const std::optional<at::Tensor>& lr_tensor,
+                    bool decoupled_weight_decay, bool maximize, std::optional<double> grad_scale,
+                    at::TensorList state_steps, const std::optional<at::Tensor>& lr_tensor,
                     const std::optional<at::Tensor>& amp_scale,
                     const std::optional<at::Tensor>& found_inf) {
   const DeviceScalars scalars{lr_tensor, state_steps, amp_scale, found_inf};
