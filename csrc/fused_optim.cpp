@@ -178,6 +178,12 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
   if (!counters.empty()) at::_foreach_add_(counters, 1.0);
 }
 
+void FusedOptimizer::unstep(size_t p) {
+  TORCH_CHECK(p < steps_.size() && steps_[p] > 0, "FusedOptimizer: parameter ", p,
+              " has no step to take back");
+  if (--steps_[p] == 0) ++generation_;  // its state is gone from state() again
+}
+
 void FusedOptimizer::relayout(const std::vector<Bucket>& old_buckets,
                               const std::vector<Bucket>& new_buckets) {
   std::vector<std::pair<size_t, size_t>> old_at(params_.size(), {SIZE_MAX, 0});

@@ -86,6 +86,9 @@ class FusedOptimizer {
   // counters of the tensors stepped, as torch's in-place ops do.
   void step(size_t index, const Bucket& bucket, const std::vector<char>& mask,
             const StepTargets& targets);
+  // Takes back the count of one step of parameter p whose kernel the device skipped (its
+  // found_inf was set): the step that comes next is counted as this one was.
+  void unstep(size_t p);
   // The buckets were rebuilt: moves the state into the new layout.
   void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
@@ -25,11 +26,11 @@ STEPS = 5
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 1e-6}
 
 
-def _model(dtype: torch.dtype) -> nn.Module:
+def _model(dtype: torch.dtype, device: str) -> nn.Module:
     torch.manual_seed(7)  # the same weights on both ranks and for both copies
     return nn.Sequential(
         nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 24), nn.Tanh(), nn.Linear(24, 4)
-    ).to(dtype)
+    ).to(device, dtype)
 
 
 def _assert_close(
@@ -54,11 +55,20 @@ def _assert_close(
     assert same >= bitwise * total, f"{what}: only {same}/{total} elements bitwise equal to torch's"
 
 
-def _pair(dtype, factory, ref_factory, **kw):
+def _tolerance(device: str, name: str = "adamw") -> tuple[int, float]:
+    """(ulps, fraction bitwise equal) against torch's optimizer. On the CPU, Adam(W) rounds as
+    torch's fused kernel; its CUDA kernel forms the moments with other multiply-adds (its
+    compiler contracts them), so a few elements land an ulp apart and drift further."""
+    if name == "sgd":
+        return 2, 0.9
+    return (1, 0.99) if device == "cpu" else (2, 0.9)
+
+
+def _pair(dtype, device, factory, ref_factory, **kw):
     ours = leanddp.DistributedDataParallel(
-        _model(dtype), optimizer_in_backward=factory, bucket_cap_mb=0.001, **kw
+        _model(dtype, device), optimizer_in_backward=factory, bucket_cap_mb=0.001, **kw
     )
-    ref = TorchDDP(_model(dtype), bucket_cap_mb=0.001)
+    ref = TorchDDP(_model(dtype, device), bucket_cap_mb=0.001)
     return ours, ref, ref_factory(ref.parameters())
 
 
@@ -66,7 +76,7 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).float().pow(2).mean()
 
 
-def _parity(rank: int, dtype: torch.dtype, name: str, accum: int) -> None:
+def _parity(rank: int, dtype: torch.dtype, name: str, accum: int, device: str) -> None:
     cls, kw = {
         "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
         "adam": (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.01)),
@@ -78,12 +88,12 @@ def _parity(rank: int, dtype: torch.dtype, name: str, accum: int) -> None:
     # once, so SGD is held to 2 ulps and 90% bitwise.
     impl = dict(foreach=True) if name == "sgd" else dict(fused=True)
     ours, ref, ref_opt = _pair(
-        dtype, functools.partial(cls, **kw), functools.partial(cls, **impl, **kw)
+        dtype, device, functools.partial(cls, **kw), functools.partial(cls, **impl, **kw)
     )
-    ulps, bitwise = (2, 0.9) if name == "sgd" else (1, 0.99)
+    ulps, bitwise = _tolerance(device, name)
     what = f"{dtype} {name} accum={accum}"
     for step in range(STEPS):
-        xs = [torch.randn(6, 16, dtype=dtype) for _ in range(accum)]
+        xs = [torch.randn(6, 16, dtype=dtype, device=device) for _ in range(accum)]
         for k, x in enumerate(xs):
             if k < accum - 1:
                 with ours.no_sync(), ref.no_sync():
@@ -105,17 +115,18 @@ def _parity(rank: int, dtype: torch.dtype, name: str, accum: int) -> None:
         assert state[key].dtype == dtype, f"{what}: state is {state[key].dtype}"
 
 
-def _grad_scaler(rank: int) -> None:
+def _grad_scaler(rank: int, device: str) -> None:
     dtype = torch.float16
     kw = dict(lr=1e-2, weight_decay=0.1)
     # 2**40 and 2**24 overflow every gradient (the output's gradient is already inf in fp16), so
     # every bucket is skipped, as torch skips the whole step; then clean steps, which grow the
     # scale every 2 steps.
     scaler_kw = dict(init_scale=2.0**40, backoff_factor=2.0**-16, growth_interval=2)
-    ours_scaler = torch.amp.GradScaler("cpu", **scaler_kw)
-    ref_scaler = torch.amp.GradScaler("cpu", **scaler_kw)
+    ours_scaler = torch.amp.GradScaler(device, **scaler_kw)
+    ref_scaler = torch.amp.GradScaler(device, **scaler_kw)
     ours, ref, ref_opt = _pair(
         dtype,
+        device,
         functools.partial(torch.optim.AdamW, **kw),
         functools.partial(torch.optim.AdamW, fused=True, **kw),
         grad_scaler=ours_scaler,
@@ -123,7 +134,7 @@ def _grad_scaler(rank: int) -> None:
     before = [p.detach().clone() for p in ours.module.parameters()]
     scales = []
     for step in range(8):
-        x = torch.randn(6, 16, dtype=dtype)
+        x = torch.randn(6, 16, dtype=dtype, device=device)
         ours_scaler.scale(_loss(ours, x)).backward()
         ref_scaler.scale(_loss(ref, x)).backward()
         ref_scaler.step(ref_opt)
@@ -138,7 +149,9 @@ def _grad_scaler(rank: int) -> None:
         if step == 0:
             for p, b in zip(ours.module.parameters(), before, strict=True):
                 assert p.equal(b), "an overflowing step changed a parameter"
-        _assert_close(ours.module, ref.module, dtype, f"GradScaler step {step}")
+        _assert_close(
+            ours.module, ref.module, dtype, f"GradScaler step {step}", *_tolerance(device)
+        )
         for p, q in zip(ours.module.parameters(), ref.module.parameters(), strict=True):
             s, r = ours.optimizer.state[p], ref_opt.state[q]
             if "step" in r:
@@ -158,19 +171,22 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _tensor_lr(rank: int) -> None:
+def _tensor_lr(rank: int, device: str) -> None:
     dtype = torch.bfloat16
     ours, ref, ref_opt = _pair(
         dtype,
-        lambda params: torch.optim.AdamW(params, lr=torch.tensor(1e-2), weight_decay=0.1),
+        device,
         lambda params: torch.optim.AdamW(
-            params, lr=torch.tensor(1e-2), weight_decay=0.1, fused=True
+            params, lr=torch.tensor(1e-2, device=device), weight_decay=0.1
+        ),
+        lambda params: torch.optim.AdamW(
+            params, lr=torch.tensor(1e-2, device=device), weight_decay=0.1, fused=True
         ),
     )
     ours_sched = torch.optim.lr_scheduler.StepLR(ours.optimizer, step_size=1, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
     for step in range(STEPS):
-        x = torch.randn(6, 16, dtype=dtype)
+        x = torch.randn(6, 16, dtype=dtype, device=device)
         mode = _Ops()
         with mode:
             _loss(ours, x).backward()
@@ -186,19 +202,25 @@ def _tensor_lr(rank: int) -> None:
         ref_opt.zero_grad()
         ours_sched.step()
         ref_sched.step()
-        _assert_close(ours.module, ref.module, dtype, f"tensor lr step {step}")
+        _assert_close(ours.module, ref.module, dtype, f"tensor lr step {step}", *_tolerance(device))
     assert isinstance(ours.optimizer.param_groups[0]["lr"], torch.Tensor)
 
 
-def _all(rank: int, world_size: int) -> None:
+def _all(rank: int, world_size: int, device: str = "cpu") -> None:
     for dtype in (torch.bfloat16, torch.float16):
         for name in ("adamw", "adam", "sgd"):
-            _parity(rank, dtype, name, accum=1)
-    _parity(rank, torch.bfloat16, "adamw", accum=3)  # no_sync accumulation
-    _grad_scaler(rank)
-    _tensor_lr(rank)
+            _parity(rank, dtype, name, 1, device)
+    _parity(rank, torch.bfloat16, "adamw", 3, device)  # no_sync accumulation
+    _grad_scaler(rank, device)
+    _tensor_lr(rank, device)
     dist.barrier()
 
 
 def test_low_precision_grad_scaler_and_tensor_lr_match_torch() -> None:
     run_ranks(2, _all)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
+def test_low_precision_on_the_gpu_matches_torch() -> None:
+    """The CUDA kernels against torch's fused CUDA optimizers, NCCL at world size 1."""
+    run_ranks(1, _all, "cuda", backend="nccl")

@@ -126,6 +126,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             max_grad_norm=max_grad_norm,
             offload_threads=offload_threads,
             check_for_nan_in_grad=check_for_nan_in_grad,
+            grad_scaler=grad_scaler,
         )
         self.module = module
         self._set_config(config)
@@ -148,11 +149,6 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 config.max_grad_norm,
                 grad_scaler,
                 [n for n, _ in named],
-            )
-        elif grad_scaler is not None:
-            raise ValueError(
-                "leanddp.DistributedDataParallel: grad_scaler is for optimizer_in_backward (the "
-                "in-backward steps unscale); without it use GradScaler as with torch's DDP"
             )
         if config.init_sync:
             verify_same_parameters(

@@ -201,10 +201,10 @@ class InBackward:
         self._generation = -1
         self.loading = False  # inside optimizer.load_state_dict(): the state is the loaded one
         self.device = params[0].device
-        self.scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
-        self.found_inf: Tensor | None = None  # this iteration's (GradScaler)
         if grad_scaler is not None:
             _check_scaler(grad_scaler, self, names or [str(i) for i in range(len(params))])
+        self.scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
+        self.found_inf: Tensor | None = None  # this iteration's (GradScaler)
         on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
         # GradScaler: Adam's step counts live on the device (a skipped step is taken back there).
         on_device = on_device or self.scaler is not None
@@ -318,8 +318,6 @@ class InBackward:
 
 def _check_scaler(scaler: Any, link: InBackward, names: Sequence[str]) -> None:
     """Raises a clear error where the in-backward steps cannot apply ``scaler``."""
-    if not isinstance(scaler, torch.amp.GradScaler):
-        _fail(f"grad_scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}", TypeError)
     if not scaler.is_enabled():
         return
     if link.offload[0]:
