@@ -87,7 +87,12 @@ class PyStepper final : public leanddp::BucketStepper {
 // torch's param_group dict -> the fused optimizer's hyper-parameters (keys leanddp.optim sets).
 leanddp::OptimHyper to_hyper(const py::dict& g) {
   leanddp::OptimHyper h;
-  h.lr = g["lr"].cast<double>();
+  if (THPVariable_Check(g["lr"].ptr())) {
+    h.lr_tensor = THPVariable_Unpack(g["lr"].ptr());  // read by the kernels, never by the host
+    h.lr = 0.0;
+  } else {
+    h.lr = g["lr"].cast<double>();
+  }
   h.beta1 = g["beta1"].cast<double>();
   h.beta2 = g["beta2"].cast<double>();
   h.eps = g["eps"].cast<double>();
@@ -249,6 +254,13 @@ void bind_reducer(py::module_& m) {
             self.set_optimizer_groups(std::move(hypers));
           },
           py::arg("groups"))
+      .def(
+          "set_grad_scaler",
+          [](Reducer& self, std::optional<at::Tensor> scale, std::optional<at::Tensor> found_inf) {
+            py::gil_scoped_release no_gil;
+            self.set_grad_scaler(scale.value_or(at::Tensor()), found_inf.value_or(at::Tensor()));
+          },
+          py::arg("scale"), py::arg("found_inf"))
       .def("optimizer_state", &Reducer::optimizer_state, py::arg("param"),
            py::call_guard<py::gil_scoped_release>())
       .def("load_optimizer_state", &Reducer::load_optimizer_state, py::arg("param"),

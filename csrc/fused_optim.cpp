@@ -10,28 +10,35 @@
 namespace leanddp {
 namespace {
 
+using OptTensor = std::optional<at::Tensor>;
+
+OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
                at::TensorList exp_avg_sq, at::TensorList copies, const OptimHyper& h, int64_t step,
-               std::optional<double> grad_scale) {
+               at::TensorList state_steps, const StepTargets& t) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("leanddp::adam_step_", "")
                        .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                                    at::TensorList, double, double, double, double, double, int64_t,
-                                   bool, bool, std::optional<double>)>();
+                                   bool, bool, std::optional<double>, at::TensorList,
+                                   const OptTensor&, const OptTensor&, const OptTensor&)>();
   op.call(params, grads, exp_avg, exp_avg_sq, copies, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-          step, h.decoupled, h.maximize, grad_scale);
+          step, h.decoupled, h.maximize, t.grad_scale, state_steps, opt(h.lr_tensor),
+          opt(t.amp_scale), opt(t.found_inf));
 }
 
 void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
-              at::TensorList copies, const OptimHyper& h, bool first_step,
-              std::optional<double> grad_scale) {
+              at::TensorList copies, const OptimHyper& h, bool first_step, const StepTargets& t) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("leanddp::sgd_step_", "")
           .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, double,
-                      double, double, bool, double, bool, bool, std::optional<double>)>();
+                      double, double, bool, double, bool, bool, std::optional<double>,
+                      const OptTensor&, const OptTensor&, const OptTensor&)>();
   op.call(params, grads, momentum_buffer, copies, h.lr, h.momentum, h.dampening, h.nesterov,
-          h.weight_decay, h.maximize, first_step, grad_scale);
+          h.weight_decay, h.maximize, first_step, t.grad_scale, opt(h.lr_tensor), opt(t.amp_scale),
+          opt(t.found_inf));
 }
 
 }  // namespace
@@ -50,7 +57,8 @@ FusedOptimizer::FusedOptimizer(OptimKind kind, std::vector<at::Tensor> params,
   const c10::Device device = params_[0].device();
   // On the host the state is ordinary memory: it never crosses PCIe (only offload's staging
   // buffers are pinned), and the worker thread that steps it allocates and first touches it.
-  state_options_ = at::TensorOptions(at::kFloat).device(on_host ? c10::Device(at::kCPU) : device);
+  // Its dtype is chosen per bucket (state_dtype).
+  state_options_ = at::TensorOptions().device(on_host ? c10::Device(at::kCPU) : device);
   on_host_ = on_host;
   set_groups(std::move(groups));
 }
@@ -70,20 +78,26 @@ size_t FusedOptimizer::num_buffers(int64_t group) const {
 
 bool FusedOptimizer::can_step(size_t p) const {
   const auto dtype = params_[p].scalar_type();
-  const bool master_kind =
-      dtype == at::kFloat || (on_host_ && (dtype == at::kBFloat16 || dtype == at::kHalf));
+  const bool stepped = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
   // On the device, any dense layout: the parameter, its bucket view and its state (state_view)
   // share its strides, so the kernels step them element by element in memory order. The host
   // step (offload_to_cpu) copies through contiguous flat host buffers.
-  return master_kind &&
+  return stepped &&
          (on_host_ ? params_[p].is_contiguous() : params_[p].is_non_overlapping_and_dense());
+}
+
+at::ScalarType FusedOptimizer::state_dtype(const Bucket& bucket) const {
+  // The host steps float32 masters; on the device a bucket holds parameters of one dtype.
+  if (on_host_ || bucket.params.empty()) return at::kFloat;
+  return params_[static_cast<size_t>(bucket.params[0])].scalar_type();
 }
 
 void FusedOptimizer::ensure_state(size_t index, const Bucket& bucket, size_t buffers) {
   if (flats_.size() <= index) flats_.resize(index + 1);
   auto& flats = flats_[index];
   if (flats.size() >= buffers) return;
-  while (flats.size() < buffers) flats.push_back(at::zeros({bucket.numel}, state_options_));
+  const auto options = state_options_.dtype(state_dtype(bucket));
+  while (flats.size() < buffers) flats.push_back(at::zeros({bucket.numel}, options));
   ++generation_;
 }
 
@@ -125,19 +139,34 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
     }
     TORCH_CHECK(copies.empty() || copies.size() == params.size(),
                 "FusedOptimizer: low-precision copies for some members of a call only");
+    // GradScaler: Adam's counts are advanced on the device before the kernel reads them, and
+    // taken back where found_inf is set, as torch's fused Adam does.
+    const bool device_steps = kind_ == OptimKind::kAdam && targets.found_inf.defined();
+    std::vector<at::Tensor> steps;
+    if (device_steps) {
+      for (size_t s : slots) {
+        at::Tensor& step = step_tensors_[static_cast<size_t>(bucket.params[s])];
+        if (!step.defined()) {
+          step = at::zeros({}, at::TensorOptions(at::kFloat).device(step_device_));
+        }
+        steps.push_back(step);
+      }
+      at::_foreach_add_(steps, 1.0);
+    }
     if (kind_ == OptimKind::kAdam) {
-      adam_step(params, grads, state[0], state[1], copies, h, key.second, targets.grad_scale);
+      adam_step(params, grads, state[0], state[1], copies, h, key.second, steps, targets);
     } else {
       sgd_step(params, grads, nbuf ? state[0] : std::vector<at::Tensor>{}, copies, h,
-               key.second != 0, targets.grad_scale);
+               key.second != 0, targets);
     }
+    if (device_steps) at::_foreach_add_(steps, targets.found_inf, -1);
     for (size_t s : slots) {
       const auto p = static_cast<size_t>(bucket.params[s]);
       // As torch's in-place ops do: a tensor autograd saved from this parameter is now stale,
       // and autograd raises if a node that has not run yet still needs it.
       torch::autograd::impl::bump_version(targets.params[s]);
       if (steps_[p]++ == 0) ++generation_;  // a parameter's state appears
-      if (kind_ != OptimKind::kAdam) continue;
+      if (kind_ != OptimKind::kAdam || device_steps) continue;
       if (step_tensors_[p].defined()) {
         counters.push_back(step_tensors_[p]);
       } else {
@@ -147,6 +176,12 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
     }
   }
   if (!counters.empty()) at::_foreach_add_(counters, 1.0);
+}
+
+void FusedOptimizer::unstep(size_t p) {
+  TORCH_CHECK(p < steps_.size() && steps_[p] > 0, "FusedOptimizer: parameter ", p,
+              " has no step to take back");
+  if (--steps_[p] == 0) ++generation_;  // its state is gone from state() again
 }
 
 void FusedOptimizer::relayout(const std::vector<Bucket>& old_buckets,

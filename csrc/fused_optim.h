@@ -1,11 +1,13 @@
 // FusedOptimizer: torch.optim.SGD / Adam / AdamW stepped bucket by bucket inside backward
 // (optimizer_in_backward), with leanddp's fused kernels over the bucket's flat gradient memory.
 //
-// It owns the optimizer state in torch's format but laid out like the buckets: one flat float32
-// buffer per state kind per bucket (exp_avg and exp_avg_sq for Adam, momentum_buffer for SGD),
-// allocated at the bucket's first step, so a bucket's step is one kernel launch per parameter
-// group. Per parameter it keeps torch's `step` tensor (Adam). Python exposes the per-parameter
-// views as the `state` of the user's torch optimizer, so checkpoints have torch's format.
+// It owns the optimizer state in torch's format but laid out like the buckets: one flat
+// buffer per state kind per bucket, in the parameters' dtype (float32, or bfloat16/float16
+// stepped in float32 math: torch's fused optimizers keep such state in the parameter's dtype)
+// (exp_avg and exp_avg_sq for Adam, momentum_buffer for SGD), allocated at the bucket's first step,
+// so a bucket's step is one kernel launch per parameter group. Per parameter it keeps torch's
+// `step` tensor (Adam). Python exposes the per-parameter views as the `state` of the user's torch
+// optimizer, so checkpoints have torch's format.
 //
 // With offload_to_cpu (`on_host`) the same code steps the fp32 master weights in host memory:
 // the state lives in ordinary host memory (it never crosses PCIe), float32 whatever
@@ -41,18 +43,26 @@ struct OptimHyper {
   bool nesterov = false;
   bool maximize = false;
   bool decoupled = false;  // AdamW's decoupled weight decay (else Adam's L2 term)
+  // torch's tensor lr (a one-element tensor on the parameters' device): read by the kernels
+  // when they run, so it is never copied to the host; undefined: `lr`.
+  at::Tensor lr_tensor;
 };
 
 // What one bucket's step updates, per slot of the bucket: the float32 weights stepped in place
 // (`params`), their averaged gradients (`grads`, float32/bfloat16/float16, shaped like the
 // weights), and, if not empty, low-precision tensors that receive the updated weights
 // (`copies`; an undefined entry: none for that slot). `grad_scale` multiplies every gradient
-// (global-norm clipping).
+// (global-norm clipping). With torch.amp.GradScaler (`amp_scale` defined, on the parameters'
+// device), the gradients are divided by the scale, and a nonzero `found_inf` makes the step do
+// nothing, read by the kernels themselves as torch's fused optimizers do: Adam's step counts
+// then live on the device and are not advanced by a skipped step.
 struct StepTargets {
   std::vector<at::Tensor> params;
   std::vector<at::Tensor> grads;
   std::vector<at::Tensor> copies;
   std::optional<double> grad_scale;
+  at::Tensor amp_scale;
+  at::Tensor found_inf;
 };
 
 class FusedOptimizer {
@@ -66,16 +76,19 @@ class FusedOptimizer {
 
   // Replaces the hyper-parameters (one per group), read by the next steps.
   void set_groups(std::vector<OptimHyper> groups);
-  // Whether the kernels can step parameter p: float32 and dense in any layout (contiguous,
-  // channels_last, transposed; its state is laid out like it), or, on the host, where float32
-  // masters are stepped, contiguous float32/bfloat16/float16. Fixed for a parameter, whatever
-  // bucket it is in, so its state never moves between this and the fallback.
+  // Whether the kernels can step parameter p: float32, bfloat16 or float16 and, on the device,
+  // dense in any layout (contiguous, channels_last, transposed; its state is laid out like it),
+  // or, on the host, where float32 masters are stepped, contiguous. Fixed for a parameter,
+  // whatever bucket it is in, so its state never moves between this and the fallback.
   bool can_step(size_t p) const;
   // Steps the members of bucket `index` whose `mask[slot]` is set (all of which can_step):
   // `targets` per slot; allocates the bucket's state at its first step. Bumps the version
   // counters of the tensors stepped, as torch's in-place ops do.
   void step(size_t index, const Bucket& bucket, const std::vector<char>& mask,
             const StepTargets& targets);
+  // Takes back the count of one step of parameter p whose kernel the device skipped (its
+  // found_inf was set): the step that comes next is counted as this one was.
+  void unstep(size_t p);
   // The buckets were rebuilt: moves the state into the new layout.
   void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);
 
@@ -101,7 +114,8 @@ class FusedOptimizer {
   std::vector<int64_t> group_of_;   // fixed
   std::vector<OptimHyper> groups_;
   c10::Device step_device_;
-  at::TensorOptions state_options_;  // float32, on the parameters' device or the host
+  at::TensorOptions state_options_;  // on the parameters' device or the host (dtype: state_dtype)
+  at::ScalarType state_dtype(const Bucket& bucket) const;
   bool on_host_ = false;
   std::vector<std::vector<at::Tensor>> flats_;  // per bucket: its state buffers (may be empty)
   std::vector<int64_t> steps_;                  // per parameter: updates taken

@@ -152,6 +152,7 @@ void Reducer::reset_iteration_state() {
   collected_.assign(buckets_.size(), 0);
   nan_bucket_ = -1;
   nan_params_.clear();
+  nan_flags_armed_ = false;
   local_used_reduced_ = at::Tensor();
   local_used_work_.reset();
   for (Bucket& b : buckets_) {
@@ -411,6 +412,7 @@ void Reducer::finalize() {
       if (step_stream_) {
         stream_wait(current_stream(params_.front().device()), *step_stream_, *events_);
       }
+      read_nan_flags();  // (device NaN check: after the wait, on the caller's stream)
       if (nan_bucket_ >= 0) raise_nonfinite(used);
       if (offload_) offload_->end_iteration(/*completed=*/true);
     } else {

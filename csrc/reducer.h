@@ -162,6 +162,12 @@ class Reducer {
   void load_master_weight(size_t p, const at::Tensor& value);
   // The fused optimizer's live hyper-parameters, one per group (called at each forward).
   void set_optimizer_groups(std::vector<OptimHyper> groups);
+  // torch.amp.GradScaler for the next backward's steps (called at each forward; undefined
+  // tensors: none): `scale` is the scaler's scale, `found_inf` a zeroed float32 scalar. Each
+  // bucket's gradients are checked on the device before its step (set to 1 on an inf/NaN) and
+  // the kernels skip the step while it is set: the bucket that overflows and every bucket
+  // stepped after it in this backward. Fused buckets only (the caller refuses the others).
+  void set_grad_scaler(at::Tensor scale, at::Tensor found_inf);
   // Parameter p's fused optimizer state in torch's format (empty if none, or not fused); with
   // offload_to_cpu a low-precision parameter's float32 master weight is added as
   // "master_weight".
@@ -208,6 +214,16 @@ class Reducer {
   // all) and remembers the first holding a NaN or infinity, with its offending parameters. Every
   // rank holds the same reduced values, so every rank finds the same bucket.
   void check_finite(const std::vector<size_t>& indices);
+  // The NaN check on the device (check_for_nan_in_grad=True with in-backward steps on the
+  // device, no offload): whether it applies; flag_nonfinite() queues, on the current stream,
+  // the flags of bucket `index`'s parameters and folds them into nan_seen_, which the fused
+  // kernels take as found_inf (a bucket holding NaN/inf and every one after it are not
+  // stepped); read_nan_flags() reads the flags (the one host synchronization of the check per
+  // backward), finds the first bucket flagged and takes back the host step counts of the
+  // members whose kernels skipped.
+  bool device_nan_check() const;
+  void flag_nonfinite(size_t index);
+  void read_nan_flags();
   // Raises the NaN check's error, naming what holds NaN/inf and which parameters were stepped
   // (`used`: this iteration's globally-used verdict).
   [[noreturn]] void raise_nonfinite(const std::vector<int32_t>& used) const;
@@ -283,9 +299,10 @@ class Reducer {
   bool has_rebuilt_ = false;
   std::vector<int64_t> ready_order_;  // first synchronized backward's readiness order
   std::unique_ptr<CommHook> comm_hook_;
-  std::unique_ptr<FusedOptimizer> fused_;    // optimizer_in_backward, fused buckets
-  std::unique_ptr<BucketStepper> fallback_;  // optimizer_in_backward, the other buckets
-  std::unique_ptr<HostOffload> offload_;     // offload_to_cpu: steps every bucket on the host
+  std::unique_ptr<FusedOptimizer> fused_;           // optimizer_in_backward, fused buckets
+  std::unique_ptr<BucketStepper> fallback_;         // optimizer_in_backward, the other buckets
+  at::Tensor amp_scale_, amp_found_inf_, amp_one_;  // set_grad_scaler (amp_one_: 1.0 there)
+  std::unique_ptr<HostOffload> offload_;  // offload_to_cpu: steps every bucket on the host
 
   // Per synchronized backward; reset by prepare_for_backward().
   bool armed_ = false;  // hooks count readiness (false: no_sync / no forward)
@@ -315,7 +332,13 @@ class Reducer {
   std::vector<char> collected_;
   int64_t nan_bucket_ = -1;          // first bucket with NaN/inf (nan check)
   std::vector<int64_t> nan_params_;  // its parameters holding NaN/inf
-  at::Tensor local_used_reduced_;    // the allreduced local_used_ (when tracked)
+  // The device NaN check: a flag per parameter (1: NaN/inf), bucket by bucket in slot order;
+  // their running max (found_inf of the kernels); whether this iteration set them; per bucket,
+  // the parameters the fused kernels were asked to step under nan_seen_.
+  at::Tensor nan_flags_, nan_seen_;
+  bool nan_flags_armed_ = false;
+  std::vector<std::vector<int64_t>> nan_gated_;
+  at::Tensor local_used_reduced_;  // the allreduced local_used_ (when tracked)
   c10::intrusive_ptr<c10d::Work> local_used_work_;
 
   // Bucket bytes allocated now, and the most during the current/last synchronized backward.

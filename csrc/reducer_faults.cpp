@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <limits>
 #include <sstream>
 
 namespace leanddp {
@@ -35,6 +36,16 @@ bool Reducer::abandon_iteration(bool step_launched) {
     }
   }
   if (comm_hook_) comm_hook_->reset();
+  if (nan_flags_armed_) {
+    try {  // the device NaN check: the counts of the steps its flags skipped go back
+      if (step_stream_) {
+        stream_wait(current_stream(params_.front().device()), *step_stream_, *events_);
+      }
+      read_nan_flags();
+    } catch (...) {
+      ok = false;
+    }
+  }
   if (options_.step_in_backward) {
     for (size_t b = 0; b < buckets_.size(); ++b) release(b);  // this step's gradients are dropped
   }
@@ -103,6 +114,79 @@ void Reducer::check_finite(const std::vector<size_t>& indices) {
         nan_params_.push_back(bucket.params[s]);
     }
     return;
+  }
+}
+
+bool Reducer::device_nan_check() const {
+  return options_.nan_check == NanCheck::kOn && options_.step_in_backward && !offload_;
+}
+
+namespace {
+
+// The first slot of bucket `index` in the per-parameter flags (buckets in order, slot order).
+int64_t slot_base(const std::vector<Bucket>& buckets, size_t index) {
+  int64_t base = 0;
+  for (size_t b = 0; b < index; ++b) base += static_cast<int64_t>(buckets[b].params.size());
+  return base;
+}
+
+}  // namespace
+
+void Reducer::flag_nonfinite(size_t index) {
+  const Bucket& bucket = buckets_[index];
+  const auto options = at::TensorOptions(at::kFloat).device(bucket.flat.device());
+  if (!nan_flags_armed_) {
+    // The last backward's flags were read at its end: nothing reads them any more.
+    const auto n = static_cast<int64_t>(params_.size());
+    if (!nan_flags_.defined() || nan_flags_.device() != options.device()) {
+      nan_flags_ = at::zeros({n}, options);
+      nan_seen_ = at::zeros({}, options);
+    } else {
+      nan_flags_.zero_();
+      nan_seen_.zero_();
+    }
+    nan_gated_.assign(buckets_.size(), {});
+    nan_flags_armed_ = true;
+  }
+  // The largest magnitude of each gradient: NaN or inf exactly where it holds one (a norm of
+  // squares could overflow); one foreach call for the bucket.
+  std::vector<at::Tensor> views;
+  for (const at::Tensor& view : bucket.views) {
+    if (view.numel() > 0) views.push_back(view);
+  }
+  std::vector<at::Tensor> largest;
+  if (!views.empty()) largest = at::_foreach_norm(views, std::numeric_limits<double>::infinity());
+  std::vector<at::Tensor> per_slot;
+  size_t k = 0;
+  for (const at::Tensor& view : bucket.views) {
+    per_slot.push_back(view.numel() > 0 ? largest[k++].to(at::kFloat) : at::zeros({}, options));
+  }
+  const at::Tensor bad = at::stack(per_slot).isfinite().logical_not().to(at::kFloat);
+  nan_flags_.narrow(0, slot_base(buckets_, index), bad.numel()).copy_(bad);
+  nan_seen_.clamp_min_(bad.amax());
+}
+
+void Reducer::read_nan_flags() {
+  if (!nan_flags_armed_) return;
+  nan_flags_armed_ = false;
+  const at::Tensor flags = nan_flags_.cpu();  // the check's one host synchronization
+  const float* bad = flags.const_data_ptr<float>();
+  int64_t base = 0;
+  for (size_t b = 0; b < buckets_.size() && nan_bucket_ < 0; ++b) {
+    const Bucket& bucket = buckets_[b];
+    for (size_t s = 0; s < bucket.params.size(); ++s) {
+      if (bad[base + static_cast<int64_t>(s)] != 0.0f) {
+        nan_bucket_ = static_cast<int64_t>(b);
+        nan_params_.push_back(bucket.params[s]);
+      }
+    }
+    base += static_cast<int64_t>(bucket.params.size());
+  }
+  if (nan_bucket_ < 0) return;
+  // The kernels of this bucket and of every later one saw found_inf set and left their
+  // parameters and state as they were: their step counts go back too.
+  for (size_t b = static_cast<size_t>(nan_bucket_); b < nan_gated_.size(); ++b) {
+    for (int64_t p : nan_gated_[b]) fused_->unstep(static_cast<size_t>(p));
   }
 }
 

@@ -54,7 +54,12 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
     on_side.emplace(*side);
   }
   collect_reduced(index);
-  if (options_.nan_check != NanCheck::kOff) check_finite({index});
+  const bool device_check = device_nan_check();
+  if (device_check) {
+    flag_nonfinite(index);  // on the device; the kernels skip from the first bucket flagged
+  } else if (options_.nan_check != NanCheck::kOff) {
+    check_finite({index});  // read on the host before the step
+  }
   Bucket& bucket = buckets_[index];
   // A bucket holding NaN/inf, or after one that did, is not stepped, only released.
   if (nan_bucket_ < 0) {
@@ -81,9 +86,30 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
         targets.params.push_back(params_[static_cast<size_t>(bucket.params[s])]);
       }
       targets.grads = bucket.views;
+      if (amp_scale_.defined()) {
+        // GradScaler: inf/NaN in the (scaled) gradients of this bucket sets found_inf, on the
+        // device, as GradScaler's check for fused optimizers does; the kernels read it.
+        std::vector<at::Tensor> checked;
+        for (size_t s = 0; s < mask.size(); ++s) {
+          if (mask[s]) checked.push_back(bucket.views[s]);
+        }
+        if (!checked.empty()) {
+          at::_amp_foreach_non_finite_check_and_unscale_(checked, amp_found_inf_, amp_one_);
+        }
+        targets.amp_scale = amp_scale_;
+        targets.found_inf = amp_found_inf_;
+      } else if (device_check) {
+        targets.found_inf = nan_seen_;
+        for (size_t s = 0; s < mask.size(); ++s) {
+          if (mask[s]) nan_gated_[index].push_back(bucket.params[s]);
+        }
+      }
       fused->step(index, bucket, mask, targets);
     }
-    if (!others.empty()) {
+    // The per-bucket Python steps cannot read a device flag: with the device NaN check, the
+    // host reads it first (a synchronization, only in buckets the fused kernels cannot step).
+    const bool skip_others = device_check && !others.empty() && nan_seen_.item<float>() != 0.0f;
+    if (!others.empty() && !skip_others) {
       TORCH_CHECK(fallback_, "leanddp.DistributedDataParallel: no optimizer for bucket ", index);
       fallback_->step(index, others, other_grads);
     }
@@ -158,6 +184,23 @@ void Reducer::set_optimizer_groups(std::vector<OptimHyper> groups) {
   // Host numbers only (kernels take them by value when queued): no device ordering needed.
   wait_idle(/*host_too=*/false, /*order_device=*/false);
   if (FusedOptimizer* fused = fused_optimizer()) fused->set_groups(std::move(groups));
+}
+
+void Reducer::set_grad_scaler(at::Tensor scale, at::Tensor found_inf) {
+  std::lock_guard<std::mutex> lock(mu_);
+  wait_idle(/*host_too=*/false, /*order_device=*/false);  // (the last backward's steps are queued)
+  TORCH_CHECK(scale.defined() == found_inf.defined(),
+              "Reducer::set_grad_scaler: scale and found_inf go together");
+  TORCH_CHECK(!scale.defined() || !offload_,
+              "Reducer::set_grad_scaler: offload_to_cpu does not take a GradScaler");
+  TORCH_CHECK(!scale.defined() || options_.nan_check == NanCheck::kOff,
+              "Reducer::set_grad_scaler: a GradScaler skips non-finite steps itself; the NaN "
+              "check is off with one");
+  if (scale.defined() && (!amp_one_.defined() || amp_one_.device() != scale.device())) {
+    amp_one_ = at::ones({}, scale.options().dtype(at::kFloat));
+  }
+  amp_scale_ = std::move(scale);
+  amp_found_inf_ = std::move(found_inf);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Reducer::optimizer_state(size_t p) const {

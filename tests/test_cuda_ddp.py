@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -160,33 +161,63 @@ def test_gradient_memory_bounded_while_the_host_runs_ahead() -> None:
 def _sync_free(rank: int, world_size: int, config: str) -> None:
     """Training steps under torch.cuda.set_sync_debug_mode("error"): any host synchronization
     on leanddp's hot path (forward glue, hooks, launches, in-backward steps, offload copies)
-    raises."""
-    factory = functools.partial(torch.optim.AdamW, lr=1e-3, fused=config == "in_backward")
+    raises. With check_for_nan_in_grad ("nan_check"), exactly one per synchronized backward:
+    the read of the check's device flags at its end. "fp16_scaler": fp16 parameters stepped by
+    the fused kernels under a GradScaler, with a tensor lr."""
+    fused = config in ("in_backward", "nan_check", "fp16_scaler")
+    lr = torch.tensor(1e-3, device="cuda") if config == "fp16_scaler" else 1e-3
+    factory = functools.partial(torch.optim.AdamW, lr=lr, fused=fused)
     kwargs = dict(device_ids=[0], bucket_cap_mb=0.0005)
     if config != "views":
         kwargs["optimizer_in_backward"] = factory
     if config == "offload":
         kwargs["offload_to_cpu"] = True
-    ddp = leanddp.DistributedDataParallel(Net(rank=rank, f64=False).cuda(), **kwargs)
-    batches = _batches(2)
+    if config == "nan_check":
+        kwargs["check_for_nan_in_grad"] = True
+    model = Net(rank=rank, f64=False).cuda()
+    scaler = None
+    if config == "fp16_scaler":
+        model = model.half()
+        scaler = kwargs["grad_scaler"] = torch.amp.GradScaler("cuda")
+    ddp = leanddp.DistributedDataParallel(model, **kwargs)
+    batches = [b.to(next(model.parameters()).dtype) for b in _batches(2)]
+
+    def backward(x: torch.Tensor) -> None:
+        loss = ddp(x).float().square().mean()
+        (scaler.scale(loss) if scaler else loss).backward()
+
+    def step() -> None:
+        if scaler:
+            scaler.step(ddp.optimizer)
+            scaler.update()
+
     for _ in range(3):  # the bucket rebuild (a broadcast read on the host) happens here
-        ddp(batches[0]).square().mean().backward()
+        backward(batches[0])
+        step()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    expected = 3 if config == "nan_check" else 0
+    torch.cuda.set_sync_debug_mode("error" if expected == 0 else "warn")
     try:
-        for _ in range(3):
-            with ddp.no_sync():
-                ddp(batches[0]).square().mean().backward()
-            ddp(batches[1]).square().mean().backward()
-            if config == "views":
-                for p in ddp.module.parameters():
-                    p.grad = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                with ddp.no_sync():
+                    backward(batches[0])
+                backward(batches[1])
+                step()
+                if config == "views":
+                    for p in ddp.module.parameters():
+                        p.grad = None
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == expected, [str(w.message) for w in syncs]
+    if config == "fp16_scaler":
+        assert ddp._in_backward.fallback.calls == 0
 
 
-@pytest.mark.parametrize("config", ["views", "in_backward", "offload"])
+@pytest.mark.parametrize("config", ["views", "in_backward", "offload", "nan_check", "fp16_scaler"])
 def test_no_host_synchronization_per_iteration(config: str) -> None:
     run_ranks(1, _sync_free, config, backend="nccl")
 

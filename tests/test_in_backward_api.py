@@ -65,6 +65,20 @@ def _errors(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="parameter '0.weight' is torch.float64"):
         build(**offload)
     model.float()
+    scaler = torch.amp.GradScaler("cpu")
+    for bad, error, message in [
+        (dict(grad_scaler=scaler), ValueError, "grad_scaler is for optimizer_in_backward"),
+        (dict(optimizer_in_backward=ADAMW, grad_scaler=object()), TypeError, "GradScaler, got"),
+        ({**offload, "grad_scaler": scaler}, ValueError, "grad_scaler is not supported with"),
+        (dict(optimizer_in_backward=ADAGRAD, grad_scaler=scaler), ValueError, "got Adagrad"),
+        (
+            dict(optimizer_in_backward=ADAMW, grad_scaler=scaler, check_for_nan_in_grad=True),
+            ValueError,
+            "check_for_nan_in_grad and grad_scaler",
+        ),
+    ]:
+        with pytest.raises(error, match=message):
+            build(**bad)
     for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p, b) and p.grad is None  # nothing changed before the errors
 

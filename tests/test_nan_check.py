@@ -52,6 +52,19 @@ def _nan_step(rank: int, world_size: int, config: str, check: bool | str, accum:
             assert (name + "," in listed or name + ")" in listed) == (name in changed), (
                 f"{name} listed wrongly: {message}"
             )
+        # The steps the flags skipped are not counted: the stepped parameters are one step
+        # ahead of the others, and training goes on from there on every rank.
+        named = dict(ours.ddp.module.named_parameters())
+        state = ours.ddp.optimizer.state
+        for extra in range(3):
+            counts = {name: int(state[p]["step"]) for name, p in named.items()}
+            for name, count in counts.items():
+                expected = step + extra + (1 if name in changed else 0)
+                assert count == expected, f"{name}: step count {count}, expected {expected}"
+            if extra < 2:
+                ours.step(data[step + 1 + extra])
+                assert_ranks_agree(ours.params())
+                assert torch.isfinite(ours.params()).all()
         return  # the weights now differ from torch's run by design
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in ours.ddp.parameters())
 

@@ -288,7 +288,13 @@ def test_adam_bad_input(device):
         all_,
     )
     _assert_rejected(
-        TypeError, r"params\[0\] has dtype BFloat16", run(params=[t.bfloat16() for t in p]), all_
+        TypeError,
+        r"grads\[0\] has dtype Float but params are BFloat16",
+        run(params=[t.bfloat16() for t in p]),
+        all_,
+    )
+    _assert_rejected(
+        TypeError, r"params\[0\] has dtype Double", run(params=[t.double() for t in p]), all_
     )
     _assert_rejected(
         TypeError, r"exp_avg\[1\] has dtype Half", run(exp_avg=[m[0], m[1].half(), m[2]]), all_
@@ -380,12 +386,24 @@ def test_opcheck(device):
         decoupled_weight_decay=True,
         maximize=False,
         grad_scale=0.5,
+        state_steps=[],
     )
     opcheck(torch.ops.leanddp.adam_step_.default, (p, g, m, v, copies), kw)
     opcheck(
         torch.ops.leanddp.adam_step_.default,
         (p, [t.half() for t in g], m, v, []),
         kw | dict(decoupled_weight_decay=False, grad_scale=None),
+    )
+    # bf16 parameters with their state, and the device scalars of torch's fused optimizers.
+    low = [[t.bfloat16() for t in lst] for lst in (p, g, m, v)]
+    scalars = dict(
+        lr_tensor=torch.tensor(1e-3, device=device),
+        amp_scale=torch.tensor(4.0, device=device),
+        found_inf=torch.zeros((), device=device),
+    )
+    steps = [torch.full((), 3.0, device=device) for _ in p]
+    opcheck(
+        torch.ops.leanddp.adam_step_.default, (*low, []), kw | scalars | dict(state_steps=steps)
     )
     skw = dict(
         lr=0.1,
@@ -398,6 +416,7 @@ def test_opcheck(device):
         grad_scale=None,
     )
     opcheck(torch.ops.leanddp.sgd_step_.default, (p, g, m, copies), skw)
+    opcheck(torch.ops.leanddp.sgd_step_.default, (*low[:3], []), skw | scalars)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")

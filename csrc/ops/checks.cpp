@@ -161,17 +161,28 @@ void check_optim_lists(const char* op, at::TensorList params, at::TensorList gra
                         "sizes and strides (got strides ", t.strides(), " and ", p.strides(), ")");
     }
   };
+  const auto param_dtype = params[0].scalar_type();
+  TORCH_CHECK_TYPE(param_dtype == at::kFloat || is_low_precision(param_dtype), op,
+                   ": params[0] has dtype ", param_dtype, "; expected Float, BFloat16 or Half");
+  const bool low = param_dtype != at::kFloat;
+  // bf16/fp16 parameters: state and gradients in their dtype (as torch's fused optimizers).
+  const auto state_dtype = low ? param_dtype : at::kFloat;
   const auto grad_dtype = grads[0].scalar_type();
   TORCH_CHECK_TYPE(is_grad_dtype(grad_dtype), op, ": grads[0] has dtype ", grad_dtype,
                    "; expected Float, BFloat16 or Half");
+  TORCH_CHECK_TYPE(!low || grad_dtype == param_dtype, op, ": grads[0] has dtype ", grad_dtype,
+                   " but params are ", param_dtype, "; bf16/fp16 params take grads of their dtype");
+  TORCH_CHECK_VALUE(!low || param_copy.empty(), op, ": param_copy must be empty when params are ",
+                    param_dtype);
   const auto copy_dtype = param_copy.empty() ? at::kBFloat16 : param_copy[0].scalar_type();
   TORCH_CHECK_TYPE(is_low_precision(copy_dtype), op, ": param_copy[0] has dtype ", copy_dtype,
                    "; expected BFloat16 or Half");
 
   for (size_t i = 0; i < n; ++i) {
     check_like_param("params", i, params[i]);
-    TORCH_CHECK_TYPE(params[i].scalar_type() == at::kFloat, op, ": params[", i, "] has dtype ",
-                     params[i].scalar_type(), "; parameters are stepped in Float");
+    TORCH_CHECK_TYPE(params[i].scalar_type() == param_dtype, op, ": params[", i, "] has dtype ",
+                     params[i].scalar_type(), " but params[0] has ", param_dtype,
+                     "; all params must share one dtype");
     check_like_param("grads", i, grads[i]);
     TORCH_CHECK_TYPE(grads[i].scalar_type() == grad_dtype, op, ": grads[", i, "] has dtype ",
                      grads[i].scalar_type(), " but grads[0] has ", grad_dtype,
@@ -179,8 +190,9 @@ void check_optim_lists(const char* op, at::TensorList params, at::TensorList gra
     for (const auto& s : states) {
       const auto& t = s.tensors[i];
       check_like_param(s.name, i, t);
-      TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op, ": ", s.name, "[", i, "] has dtype ",
-                       t.scalar_type(), "; optimizer state is Float");
+      TORCH_CHECK_TYPE(t.scalar_type() == state_dtype, op, ": ", s.name, "[", i, "] has dtype ",
+                       t.scalar_type(), "; optimizer state of ", param_dtype, " params is ",
+                       state_dtype);
     }
     if (!param_copy.empty()) {
       check_like_param("param_copy", i, param_copy[i]);
@@ -217,12 +229,44 @@ void check_grad_scale(const char* op, std::optional<double> grad_scale) {
                     ": grad_scale must be finite, got ", grad_scale.value_or(0.0));
 }
 
+// A one-element device scalar argument: dtype, numel and device; and, on the CPU, its value.
+void check_scalar(const char* op, const char* name, const at::Tensor& t, at::TensorList params,
+                  bool allow_double) {
+  TORCH_CHECK_VALUE(t.numel() == 1, op, ": ", name, " must have one element, got ", t.numel());
+  TORCH_CHECK_TYPE(
+      t.scalar_type() == at::kFloat || (allow_double && t.scalar_type() == at::kDouble), op, ": ",
+      name, " has dtype ", t.scalar_type(), "; expected Float", allow_double ? " or Double" : "");
+  if (!params.empty()) {
+    TORCH_CHECK_VALUE(t.device() == params[0].device(), op, ": ", name, " is on ", t.device(),
+                      " but params[0] is on ", params[0].device());
+  }
+}
+
+void check_scalars(const char* op, at::TensorList params, const DeviceScalars& s) {
+  if (s.lr_tensor.has_value()) {
+    check_scalar(op, "lr_tensor", *s.lr_tensor, params, /*allow_double=*/true);
+    const at::Tensor& lr = *s.lr_tensor;
+    if (lr.is_cpu()) {  // (read directly: no dispatched op, nothing to synchronize)
+      check_finite_nonneg(op, "lr_tensor",
+                          lr.scalar_type() == at::kDouble ? *lr.const_data_ptr<double>()
+                                                          : *lr.const_data_ptr<float>());
+    }
+  }
+  if (s.amp_scale.has_value()) check_scalar(op, "amp_scale", *s.amp_scale, params, false);
+  if (s.found_inf.has_value()) check_scalar(op, "found_inf", *s.found_inf, params, false);
+  if (!s.state_steps.empty()) {
+    TORCH_CHECK_VALUE(s.state_steps.size() == params.size(), op, ": state_steps has ",
+                      s.state_steps.size(), " tensors but params has ", params.size());
+    for (const auto& t : s.state_steps) check_scalar(op, "state_steps[i]", t, params, false);
+  }
+}
+
 }  // namespace
 
 void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
                      at::TensorList exp_avg_sq, at::TensorList param_copy, double lr, double beta1,
                      double beta2, double eps, double weight_decay, int64_t step,
-                     std::optional<double> grad_scale) {
+                     std::optional<double> grad_scale, const DeviceScalars& scalars) {
   constexpr const char* op = "leanddp::adam_step_";
   check_finite_nonneg(op, "lr", lr);
   check_unit_interval(op, "beta1", beta1);
@@ -232,13 +276,15 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
   TORCH_CHECK_VALUE(step >= 1, op, ": step must be >= 1 (the 1-based count of this update), got ",
                     step);
   check_grad_scale(op, grad_scale);
+  check_scalars(op, params, scalars);
   check_optim_lists(op, params, grads, {{"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}},
                     param_copy);
 }
 
 void check_sgd_args(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
                     at::TensorList param_copy, double lr, double momentum, double dampening,
-                    bool nesterov, double weight_decay, std::optional<double> grad_scale) {
+                    bool nesterov, double weight_decay, std::optional<double> grad_scale,
+                    const DeviceScalars& scalars) {
   constexpr const char* op = "leanddp::sgd_step_";
   check_finite_nonneg(op, "lr", lr);
   check_finite_nonneg(op, "momentum", momentum);
@@ -247,6 +293,7 @@ void check_sgd_args(at::TensorList params, at::TensorList grads, at::TensorList 
   TORCH_CHECK_VALUE(!nesterov || (momentum > 0 && dampening == 0), op,
                     ": nesterov needs momentum > 0 and dampening == 0");
   check_grad_scale(op, grad_scale);
+  check_scalars(op, params, scalars);
   if (momentum == 0) {
     TORCH_CHECK_VALUE(momentum_buffer.empty(), op,
                       ": momentum_buffer must be empty when momentum is 0");

@@ -32,23 +32,35 @@ struct NamedList {
   at::TensorList tensors;
 };
 
-// Fused optimizer ops. `params` are float32, all on one device, each dense and non-overlapping
-// (contiguous, or permuted like channels_last or a transposed matrix); each list in `states`
-// (float32) and `grads` (float32, bfloat16 or float16, one dtype for all) matches params
-// element-wise in numel, device and memory order (both contiguous, or the same sizes and
-// strides), so the kernels step all of them linearly from data_ptr(); `param_copy` is empty or
-// the same length, bfloat16 or float16. No tensor overlaps params[i] or another list's i-th
+// Fused optimizer ops. `params` are all on one device, of one dtype, each dense and
+// non-overlapping (contiguous, or permuted like channels_last or a transposed matrix): float32,
+// with `states` float32, `grads` float32, bfloat16 or float16 (one dtype for all) and
+// `param_copy` empty or the same length, bfloat16 or float16; or bfloat16/float16, with `states`
+// and `grads` in that dtype and no `param_copy`. Each list matches params element-wise in numel,
+// device and memory order (both contiguous, or the same sizes and strides), so the kernels step
+// all of them linearly from data_ptr(). No tensor overlaps params[i] or another list's i-th
 // tensor.
 void check_optim_lists(const char* op, at::TensorList params, at::TensorList grads,
                        std::initializer_list<NamedList> states, at::TensorList param_copy);
 
+// The optimizer ops' optional tensor arguments, read by the kernels (on the device for CUDA).
+struct DeviceScalars {
+  const std::optional<at::Tensor>& lr_tensor;  // one element, float32/float64
+  at::TensorList state_steps;                  // empty, or one float32 scalar per param (Adam)
+  const std::optional<at::Tensor>& amp_scale;  // one float32 element
+  const std::optional<at::Tensor>& found_inf;  // one float32 element
+};
+
 // Every argument of adam_step_ / sgd_step_, lists and hyper-parameters (same order as the op).
+// The tensors of `scalars` must be on the params' device; their values are checked only when
+// that is the CPU (reading a GPU value would synchronize).
 void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
                      at::TensorList exp_avg_sq, at::TensorList param_copy, double lr, double beta1,
                      double beta2, double eps, double weight_decay, int64_t step,
-                     std::optional<double> grad_scale);
+                     std::optional<double> grad_scale, const DeviceScalars& scalars);
 void check_sgd_args(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
                     at::TensorList param_copy, double lr, double momentum, double dampening,
-                    bool nesterov, double weight_decay, std::optional<double> grad_scale);
+                    bool nesterov, double weight_decay, std::optional<double> grad_scale,
+                    const DeviceScalars& scalars);
 
 }  // namespace leanddp::ops

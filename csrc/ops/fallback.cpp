@@ -17,18 +17,23 @@ void no_backend(const char* op, at::TensorList params) {
 void adam_step_fallback(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
                         at::TensorList exp_avg_sq, at::TensorList param_copy, double lr,
                         double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                        bool, bool, std::optional<double> grad_scale) {
+                        bool, bool, std::optional<double> grad_scale, at::TensorList state_steps,
+                        const std::optional<at::Tensor>& lr_tensor,
+                        const std::optional<at::Tensor>& amp_scale,
+                        const std::optional<at::Tensor>& found_inf) {
   check_adam_args(params, grads, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps,
-                  weight_decay, step, grad_scale);
+                  weight_decay, step, grad_scale, {lr_tensor, state_steps, amp_scale, found_inf});
   no_backend("leanddp::adam_step_", params);
 }
 
 void sgd_step_fallback(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
                        at::TensorList param_copy, double lr, double momentum, double dampening,
                        bool nesterov, double weight_decay, bool, bool,
-                       std::optional<double> grad_scale) {
+                       std::optional<double> grad_scale, const std::optional<at::Tensor>& lr_tensor,
+                       const std::optional<at::Tensor>& amp_scale,
+                       const std::optional<at::Tensor>& found_inf) {
   check_sgd_args(params, grads, momentum_buffer, param_copy, lr, momentum, dampening, nesterov,
-                 weight_decay, grad_scale);
+                 weight_decay, grad_scale, {lr_tensor, {}, amp_scale, found_inf});
   no_backend("leanddp::sgd_step_", params);
 }
 

@@ -2,9 +2,10 @@
 //
 // These are the real host path: they will step offloaded optimizer state. at::parallel_for splits
 // the concatenation of the list into equal element ranges (ConcatRange in chunks.h); each worker
-// walks its range in L1-sized blocks: bf16/fp16 gradients are upcast into a per-thread buffer, the
-// vectorized update runs (cpu_kernels.h), and the low-precision parameter copy is written from the
-// block while it is still in cache. Every tensor is read and written once.
+// walks its range in L1-sized blocks: bf16/fp16 tensors (gradients; parameters and state when
+// the parameters are bf16/fp16) are upcast into per-thread float buffers, the vectorized update
+// runs (cpu_kernels.h), and what changed is rounded back (and the low-precision parameter copy
+// written) from the block while it is still in cache. Every tensor is read and written once.
 #include "checks.h"
 #include "chunks.h"  // ConcatRange
 #include "cpu_kernels.h"
@@ -19,95 +20,146 @@ constexpr int64_t kBlockElems = 1024;  // elements per inner pass: a few KiB per
 // Fewer elements than this per thread cost more in threading than they save.
 constexpr int64_t kGrainElems = 32 << 10;
 
-std::vector<float*> float_ptrs(at::TensorList list) {
-  std::vector<float*> out(list.size());
-  for (size_t i = 0; i < list.size(); ++i) out[i] = list[i].data_ptr<float>();
+// n elements of `src` (float, bfloat16 or float16, starting at element `at`) as floats: `src`
+// itself when float, else converted into `buf`.
+float* as_float(at::ScalarType dtype, void* src, int64_t at, int64_t n, float* buf) {
+  const auto& loops = cpu_loops();
+  if (dtype == at::kFloat) return static_cast<float*>(src) + at;
+  if (dtype == at::kBFloat16) {
+    loops.bf16_to_float(static_cast<const c10::BFloat16*>(src) + at, buf, n);
+  } else {
+    loops.half_to_float(static_cast<const c10::Half*>(src) + at, buf, n);
+  }
+  return buf;
+}
+
+// Rounds the n floats of `buf` into `dst` (bfloat16 or float16, from element `at`).
+void store_low(at::ScalarType dtype, const float* buf, void* dst, int64_t at, int64_t n) {
+  const auto& loops = cpu_loops();
+  if (dtype == at::kBFloat16) {
+    loops.float_to_bf16(buf, static_cast<c10::BFloat16*>(dst) + at, n);
+  } else {
+    loops.float_to_half(buf, static_cast<c10::Half*>(dst) + at, n);
+  }
+}
+
+std::vector<void*> ptrs(at::TensorList list) {
+  std::vector<void*> out(list.size());
+  for (size_t i = 0; i < list.size(); ++i) out[i] = list[i].data_ptr();
   return out;
 }
 
-// Runs step(tensor, first_element, n, p, g) for every block of every tensor, in parallel, with
-// `g` always float, then refreshes param_copy from the updated block.
+// Runs step(tensor, p, g, s0, s1, n) for every block of every tensor, in parallel, on floats
+// (s0/s1: the block of state lists 0 and 1, nullptr if absent); bf16/fp16 parameters and state
+// are rounded back after the step, and param_copy is refreshed from the updated block.
 template <typename Step>
-void for_each_block(at::TensorList params, at::TensorList grads, at::TensorList param_copy,
-                    const Step& step) {
+void for_each_block(at::TensorList params, at::TensorList grads, at::TensorList state0,
+                    at::TensorList state1, at::TensorList param_copy, const Step& step) {
   const size_t n = params.size();
   if (n == 0) return;
-  const auto& loops = cpu_loops();
+  const auto param_dtype = params[0].scalar_type();  // the state's dtype too (checks.h)
   const auto grad_dtype = grads[0].scalar_type();
+  const bool low = param_dtype != at::kFloat;
   const bool has_copy = !param_copy.empty();
-  const bool copy_bf16 = has_copy && param_copy[0].scalar_type() == at::kBFloat16;
+  const auto copy_dtype = has_copy ? param_copy[0].scalar_type() : at::kBFloat16;
 
-  const auto p_ptr = float_ptrs(params);
-  std::vector<const void*> g_ptr(n);
-  std::vector<void*> copy_ptr(n, nullptr);
+  const auto p_ptr = ptrs(params);
+  const auto s0_ptr = ptrs(state0);
+  const auto s1_ptr = ptrs(state1);
+  const auto copy_ptr = ptrs(param_copy);
+  std::vector<void*> g_ptr(n);
   std::vector<int64_t> numels(n);
   for (size_t i = 0; i < n; ++i) {
-    g_ptr[i] = grads[i].const_data_ptr();
-    if (has_copy) copy_ptr[i] = param_copy[i].data_ptr();
+    // Read only (the buffer is converted, never written back).
+    g_ptr[i] = const_cast<void*>(grads[i].const_data_ptr());
     numels[i] = params[i].numel();
   }
   const ConcatRange range(numels);
 
-  auto piece = [&](int32_t t, int64_t begin, int64_t len, float* gbuf) {
+  struct Buffers {
+    alignas(64) float g[kBlockElems];
+    alignas(64) float p[kBlockElems];
+    alignas(64) float s0[kBlockElems];
+    alignas(64) float s1[kBlockElems];
+  };
+  auto piece = [&](int32_t t, int64_t begin, int64_t len, Buffers& buf) {
     for (int64_t b = begin; b < begin + len; b += kBlockElems) {
-      const int64_t n_block = std::min(kBlockElems, begin + len - b);
-      const float* g;
-      if (grad_dtype == at::kFloat) {
-        g = static_cast<const float*>(g_ptr[t]) + b;
-      } else if (grad_dtype == at::kBFloat16) {
-        loops.bf16_to_float(static_cast<const c10::BFloat16*>(g_ptr[t]) + b, gbuf, n_block);
-        g = gbuf;
-      } else {
-        loops.half_to_float(static_cast<const c10::Half*>(g_ptr[t]) + b, gbuf, n_block);
-        g = gbuf;
+      const int64_t nb = std::min(kBlockElems, begin + len - b);
+      const float* g = as_float(grad_dtype, g_ptr[t], b, nb, buf.g);
+      float* p = as_float(param_dtype, p_ptr[t], b, nb, buf.p);
+      float* s0 = s0_ptr.empty() ? nullptr : as_float(param_dtype, s0_ptr[t], b, nb, buf.s0);
+      float* s1 = s1_ptr.empty() ? nullptr : as_float(param_dtype, s1_ptr[t], b, nb, buf.s1);
+      step(t, p, g, s0, s1, nb);
+      if (low) {
+        store_low(param_dtype, p, p_ptr[t], b, nb);
+        if (s0) store_low(param_dtype, s0, s0_ptr[t], b, nb);
+        if (s1) store_low(param_dtype, s1, s1_ptr[t], b, nb);
       }
-      float* p = p_ptr[t] + b;
-      step(t, b, n_block, p, g);
-      if (!has_copy) continue;
-      if (copy_bf16) {
-        loops.float_to_bf16(p, static_cast<c10::BFloat16*>(copy_ptr[t]) + b, n_block);
-      } else {
-        loops.float_to_half(p, static_cast<c10::Half*>(copy_ptr[t]) + b, n_block);
-      }
+      if (has_copy) store_low(copy_dtype, p, copy_ptr[t], b, nb);
     }
   };
   at::parallel_for(0, range.total(), kGrainElems, [&](int64_t first, int64_t last) {
-    alignas(64) float gbuf[kBlockElems];
+    auto buf = std::make_unique<Buffers>();
     range.for_each_piece(
-        first, last, [&](int32_t t, int64_t begin, int64_t len) { piece(t, begin, len, gbuf); });
+        first, last, [&](int32_t t, int64_t begin, int64_t len) { piece(t, begin, len, *buf); });
   });
+}
+
+// The value of a one-element float32/float64 CPU tensor (host memory: no synchronization).
+double host_value(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? *t.const_data_ptr<double>()
+                                        : static_cast<double>(*t.const_data_ptr<float>());
+}
+
+// Whether GradScaler's found_inf says this step must not happen (torch's fused kernels: return).
+bool skipped(const std::optional<at::Tensor>& found_inf) {
+  return found_inf.has_value() && *found_inf->const_data_ptr<float>() != 0.0f;
 }
 
 void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
                    at::TensorList exp_avg_sq, at::TensorList param_copy, double lr, double beta1,
                    double beta2, double eps, double weight_decay, int64_t step,
-                   bool decoupled_weight_decay, bool maximize, std::optional<double> grad_scale) {
+                   bool decoupled_weight_decay, bool maximize, std::optional<double> grad_scale,
+                   at::TensorList state_steps, const std::optional<at::Tensor>& lr_tensor,
+                   const std::optional<at::Tensor>& amp_scale,
+                   const std::optional<at::Tensor>& found_inf) {
+  const DeviceScalars scalars{lr_tensor, state_steps, amp_scale, found_inf};
   check_adam_args(params, grads, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps,
-                  weight_decay, step, grad_scale);
-  const auto consts = make_adam_consts(lr, beta1, beta2, eps, weight_decay, step,
-                                       decoupled_weight_decay, maximize, grad_scale);
-  const auto m = float_ptrs(exp_avg);
-  const auto v = float_ptrs(exp_avg_sq);
+                  weight_decay, step, grad_scale, scalars);
+  if (skipped(found_inf)) return;
+  if (lr_tensor.has_value()) lr = host_value(*lr_tensor);
+  auto consts = make_adam_consts(lr, beta1, beta2, eps, weight_decay, step, decoupled_weight_decay,
+                                 maximize, grad_scale);
+  if (amp_scale.has_value()) consts.amp_scale = *amp_scale->const_data_ptr<float>();
+  std::vector<AdamConsts> per_tensor(state_steps.size(), consts);
+  for (size_t i = 0; i < state_steps.size(); ++i) {
+    set_step(per_tensor[i], host_value(state_steps[i]), lr);
+  }
   const auto adam = cpu_loops().adam;
-  for_each_block(params, grads, param_copy,
-                 [&](int32_t t, int64_t b, int64_t n, float* p, const float* g) {
-                   adam(p, g, m[t] + b, v[t] + b, n, consts);
+  for_each_block(params, grads, exp_avg, exp_avg_sq, param_copy,
+                 [&](int32_t t, float* p, const float* g, float* m, float* v, int64_t n) {
+                   adam(p, g, m, v, n, per_tensor.empty() ? consts : per_tensor[t]);
                  });
 }
 
 void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
                   at::TensorList param_copy, double lr, double momentum, double dampening,
                   bool nesterov, double weight_decay, bool maximize, bool first_step,
-                  std::optional<double> grad_scale) {
+                  std::optional<double> grad_scale, const std::optional<at::Tensor>& lr_tensor,
+                  const std::optional<at::Tensor>& amp_scale,
+                  const std::optional<at::Tensor>& found_inf) {
+  const DeviceScalars scalars{lr_tensor, {}, amp_scale, found_inf};
   check_sgd_args(params, grads, momentum_buffer, param_copy, lr, momentum, dampening, nesterov,
-                 weight_decay, grad_scale);
-  const auto consts = make_sgd_consts(lr, momentum, dampening, nesterov, weight_decay, maximize,
-                                      first_step, grad_scale);
-  const auto buf = float_ptrs(momentum_buffer);
+                 weight_decay, grad_scale, scalars);
+  if (skipped(found_inf)) return;
+  if (lr_tensor.has_value()) lr = host_value(*lr_tensor);
+  auto consts = make_sgd_consts(lr, momentum, dampening, nesterov, weight_decay, maximize,
+                                first_step, grad_scale);
+  if (amp_scale.has_value()) consts.amp_scale = *amp_scale->const_data_ptr<float>();
   const auto sgd = cpu_loops().sgd;
-  for_each_block(params, grads, param_copy,
-                 [&](int32_t t, int64_t b, int64_t n, float* p, const float* g) {
-                   sgd(p, g, buf.empty() ? nullptr : buf[t] + b, n, consts);
+  for_each_block(params, grads, momentum_buffer, {}, param_copy,
+                 [&](int32_t, float* p, const float* g, float* buf, float*, int64_t n) {
+                   sgd(p, g, buf, n, consts);
                  });
 }
 

@@ -1,11 +1,14 @@
 // The per-element arithmetic of the fused optimizers, shared by the CPU and CUDA kernels.
 //
 // Hyper-parameters are reduced once per call, in double, to the float constants the update
-// needs, rounded exactly as torch's foreach implementations round their Python-float scalars;
-// the element updates then apply the same operations in the same order as torch.optim.Adam(W)
-// and torch.optim.SGD, so results agree with torch to float rounding. Both backends compile this
-// without FMA contraction (-ffp-contract=off, nvcc --fmad=false) and with IEEE sqrt and division,
-// so the CPU and CUDA kernels give bit-identical results.
+// needs (the learning rate and GradScaler's scale may instead be read from device tensors by the
+// kernel itself: set_lr() and the amp_scale field), rounded as torch's fused kernels round them.
+// The element updates apply the same operations in the same order as torch's fused CPU Adam(W)
+// (including the multiply-adds its build fuses, written here as explicit fmaf) and torch.optim.SGD,
+// so results agree with torch to float rounding, and float32, bfloat16 and float16 Adam(W) are
+// bitwise equal to torch's fused CPU kernel in practice. Both backends compile this without any
+// other FMA contraction (-ffp-contract=off, nvcc --fmad=false), with IEEE sqrt and division, so
+// the CPU and CUDA kernels give bit-identical results.
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -20,6 +23,7 @@ namespace leanddp::ops {
 // term (grad += weight_decay * param).
 struct AdamConsts {
   float grad_mul;     // grad_scale (1 if none), negated when maximizing
+  float amp_scale;    // GradScaler's scale the gradients are divided by (1 if none)
   float decay_mul;    // 1 - lr * weight_decay for AdamW, else 1
   float l2;           // weight_decay for Adam
   bool use_l2;        // Adam with weight_decay != 0
@@ -31,16 +35,37 @@ struct AdamConsts {
   float neg_step_size;  // -lr / (1 - beta1^step)
   float bc2_sqrt;       // sqrt(1 - beta2^step)
   float eps;
+  // Kept to derive the lr-dependent constants from a learning rate read later (set_lr).
+  double bc1;               // 1 - beta1^step
+  double beta1_d, beta2_d;  // beta1, beta2 (for set_step)
+  double weight_decay;
+  bool decoupled;
 };
+
+// The constants that depend on the learning rate, in double as torch computes them.
+C10_HOST_DEVICE inline void set_lr(AdamConsts& c, double lr) {
+  c.decay_mul = c.decoupled ? static_cast<float>(1.0 - lr * c.weight_decay) : 1.0f;
+  c.neg_step_size = static_cast<float>(-(lr / c.bc1));
+}
+
+// The constants that depend on the step count (1-based) and the learning rate; the kernels that
+// read a device step count call this per tensor.
+C10_HOST_DEVICE inline void set_step(AdamConsts& c, double step, double lr) {
+  c.bc1 = 1.0 - pow(c.beta1_d, step);
+  c.bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(c.beta2_d, step)));
+  set_lr(c, lr);
+}
 
 inline AdamConsts make_adam_consts(double lr, double beta1, double beta2, double eps,
                                    double weight_decay, int64_t step, bool decoupled, bool maximize,
                                    std::optional<double> grad_scale) {
-  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
   AdamConsts c{};
   c.grad_mul = static_cast<float>(grad_scale.value_or(1.0)) * (maximize ? -1.0f : 1.0f);
-  c.decay_mul = decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+  c.amp_scale = 1.0f;
+  c.weight_decay = weight_decay;
+  c.decoupled = decoupled;
+  c.beta1_d = beta1;
+  c.beta2_d = beta2;
   c.l2 = decoupled ? 0.0f : static_cast<float>(weight_decay);
   c.use_l2 = !decoupled && weight_decay != 0.0;
   c.lerp_w = static_cast<float>(1.0 - beta1);
@@ -48,28 +73,32 @@ inline AdamConsts make_adam_consts(double lr, double beta1, double beta2, double
   c.lerp_small = c.lerp_w < 0.5f;
   c.beta2 = static_cast<float>(beta2);
   c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  c.neg_step_size = static_cast<float>(-(lr / bc1));
-  c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   c.eps = static_cast<float>(eps);
+  set_step(c, static_cast<double>(step), lr);
   return c;
 }
 
 // One element: p, m, v updated in place from gradient g.
 C10_HOST_DEVICE inline void adam_update(float& p, float g, float& m, float& v,
                                         const AdamConsts& c) {
-  g = g * c.grad_mul;
-  g = c.use_l2 ? g + c.l2 * p : g;  // torch: grad.add(param, alpha=weight_decay)
-  p = p * c.decay_mul;              // torch: param.mul_(1 - lr * weight_decay)
-  const float diff = g - m;         // torch: exp_avg.lerp_(grad, 1 - beta1), both of lerp's forms
-  m = c.lerp_small ? m + c.lerp_w * diff : g - diff * c.lerp_w_comp;
-  v = v * c.beta2 + c.one_minus_beta2 * g * g;  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1-beta2)
+  g = g * c.grad_mul / c.amp_scale;     // torch's fused kernels: grad / grad_scale (exact for 1)
+  g = c.use_l2 ? fmaf(p, c.l2, g) : g;  // torch: grad.add(param, alpha=weight_decay)
+  p = p * c.decay_mul;                  // torch: param.mul_(1 - lr * weight_decay)
+  // torch: exp_avg.lerp_(grad, 1 - beta1) in both of lerp's forms, each one fused multiply-add
+  // as torch's vectorized CPU lerp and fused Adam compute it (fmaf: the same bits on CUDA).
+  const float diff = g - m;
+  m = c.lerp_small ? fmaf(c.lerp_w, diff, m) : fmaf(-c.lerp_w_comp, diff, g);
+  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2), with the multiply-add torch's CPU build
+  // fuses it into
+  v = fmaf(c.one_minus_beta2 * g, g, v * c.beta2);
   const float denom = sqrtf(v) / c.bc2_sqrt + c.eps;  // (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
-  p = p + c.neg_step_size * (m / denom);              // param.addcdiv_(exp_avg, denom, -step_size)
+  p = p + c.neg_step_size * m / denom;  // torch's fused Adam: param - step_size * exp_avg / denom
 }
 
 // SGD with optional momentum, dampening, Nesterov and L2 weight decay.
 struct SgdConsts {
-  float grad_mul;  // grad_scale (1 if none), negated when maximizing
+  float grad_mul;   // grad_scale (1 if none), negated when maximizing
+  float amp_scale;  // GradScaler's scale the gradients are divided by (1 if none)
   float weight_decay;
   bool use_weight_decay;
   float momentum;
@@ -79,25 +108,28 @@ struct SgdConsts {
   float neg_lr;
 };
 
+C10_HOST_DEVICE inline void set_lr(SgdConsts& c, double lr) { c.neg_lr = static_cast<float>(-lr); }
+
 inline SgdConsts make_sgd_consts(double lr, double momentum, double dampening, bool nesterov,
                                  double weight_decay, bool maximize, bool first_step,
                                  std::optional<double> grad_scale) {
   SgdConsts c{};
   c.grad_mul = static_cast<float>(grad_scale.value_or(1.0)) * (maximize ? -1.0f : 1.0f);
+  c.amp_scale = 1.0f;
   c.weight_decay = static_cast<float>(weight_decay);
   c.use_weight_decay = weight_decay != 0.0;
   c.momentum = static_cast<float>(momentum);
   c.one_minus_dampening = static_cast<float>(1.0 - dampening);
   c.first_step = first_step;
   c.nesterov = nesterov;
-  c.neg_lr = static_cast<float>(-lr);
+  set_lr(c, lr);
   return c;
 }
 
 // One element; `buf` is the momentum buffer element, only touched when kMomentum.
 template <bool kMomentum>
 C10_HOST_DEVICE inline void sgd_update(float& p, float g, float* buf, const SgdConsts& c) {
-  g = g * c.grad_mul;
+  g = g * c.grad_mul / c.amp_scale;
   g = c.use_weight_decay ? g + c.weight_decay * p : g;  // torch: d_p.add(param, alpha=wd)
   if constexpr (kMomentum) {
     // torch: buf = clone(d_p) on the first step, else buf.mul_(momentum).add_(d_p, 1-dampening)

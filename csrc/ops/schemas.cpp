@@ -9,16 +9,24 @@ TORCH_LIBRARY(leanddp, m) {
   m.def("flatten_into(Tensor[] tensors, Tensor(a!) out, float? scale=None) -> ()");
   // The inverse: consecutive slices of the 1-D `flat` into `tensors`, in place.
   m.def("unflatten_from(Tensor flat, Tensor(a!)[] tensors, float? scale=None) -> ()");
-  // One Adam (decoupled_weight_decay=False) or AdamW step on float32 params and state; grads
-  // float32/bfloat16/float16; param_copy, if not empty, receives a bf16/fp16 copy of the update.
+  // One Adam (decoupled_weight_decay=False) or AdamW step. params: float32 (grads
+  // float32/bfloat16/float16; param_copy, if not empty, receives a bf16/fp16 copy of the update)
+  // or bfloat16/float16 (grads and state in the params' dtype, no param_copy), stepped in float32
+  // math. Device scalars, as torch's fused optimizers take them: lr_tensor (one element,
+  // float32/float64) replaces lr; state_steps (one float32 scalar per param, the 1-based count of
+  // this update; empty: none) replace step; grads are divided by amp_scale (GradScaler's
+  // scale); a nonzero found_inf makes the call do nothing.
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avg, "
       "Tensor(c!)[] exp_avg_sq, Tensor(d!)[] param_copy, *, float lr, float beta1, float beta2, "
       "float eps, float weight_decay, int step, bool decoupled_weight_decay, bool maximize, "
-      "float? grad_scale) -> ()");
-  // One SGD step; momentum_buffer is empty when momentum == 0.
+      "float? grad_scale, Tensor[] state_steps, Tensor? lr_tensor=None, "
+      "Tensor? amp_scale=None, Tensor? found_inf=None) -> ()");
+  // One SGD step; momentum_buffer is empty when momentum == 0. Dtypes and device scalars as
+  // for adam_step_.
   m.def(
       "sgd_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffer, "
       "Tensor(c!)[] param_copy, *, float lr, float momentum, float dampening, bool nesterov, "
-      "float weight_decay, bool maximize, bool first_step, float? grad_scale) -> ()");
+      "float weight_decay, bool maximize, bool first_step, float? grad_scale, "
+      "Tensor? lr_tensor=None, Tensor? amp_scale=None, Tensor? found_inf=None) -> ()");
 }

@@ -228,6 +228,20 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
     nan_check = kw["check_for_nan_in_grad"]
     if not (isinstance(nan_check, bool) or nan_check == "strict"):
         _fail(f"check_for_nan_in_grad must be True, False or 'strict', got {nan_check!r}")
+    scaler = kw["grad_scaler"]
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        _fail(f"grad_scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}", TypeError)
+    if scaler is not None and kw["optimizer_in_backward"] is None:
+        _fail(
+            "grad_scaler is for optimizer_in_backward (the in-backward steps unscale); without "
+            "it use GradScaler as with torch's DDP"
+        )
+    if nan_check and scaler is not None:
+        _fail(
+            "check_for_nan_in_grad and grad_scaler go separately: with a GradScaler, gradients "
+            "holding inf/NaN are expected (the scale overflowed) and their step is skipped, as "
+            "torch's GradScaler does; pass check_for_nan_in_grad=False"
+        )
     factory = kw["optimizer_in_backward"]
     if factory is not None and not callable(factory):
         _fail(

@@ -44,6 +44,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     forward waits for them. ``max_grad_norm``: exact global-norm clipping (as
     ``torch.nn.utils.clip_grad_norm_``) of each step, with offload_to_cpu.
 
+    ``grad_scaler``: the ``torch.amp.GradScaler`` of an fp16 loop with
+    ``optimizer_in_backward``. Its scale must be known before the first bucket's step, so it is
+    given here; the loop then calls ``scaler.scale(loss).backward()``, ``scaler.step(
+    ddp.optimizer)`` and ``scaler.update()`` as usual. The kernels unscale and skip, on the
+    device, a bucket whose gradients overflow and every bucket stepped after it (earlier ones
+    are already stepped: see docs/ddp.md, "GradScaler").
+
     ``check_for_nan_in_grad=True``: a NaN or infinity in a reduced gradient raises on every
     rank at the end of backward, naming the parameter, before ``optimizer.step()`` can run.
     With ``offload_to_cpu`` the host steps wait for the check, so no weight changes. With
@@ -90,6 +97,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         max_grad_norm: float | None = None,
         offload_threads: int | None = None,
         check_for_nan_in_grad: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         nn.Module.__init__(self)
         config = check_arguments(
@@ -118,6 +126,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             max_grad_norm=max_grad_norm,
             offload_threads=offload_threads,
             check_for_nan_in_grad=check_for_nan_in_grad,
+            grad_scaler=grad_scaler,
         )
         self.module = module
         self._set_config(config)
@@ -138,6 +147,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 config.offload_to_cpu,
                 config.offload_threads,
                 config.max_grad_norm,
+                grad_scaler,
+                [n for n, _ in named],
             )
         if config.init_sync:
             verify_same_parameters(

@@ -6,8 +6,11 @@ under FakeTensor and ``torch.compile``. The wrappers are thin: the checks and th
 C++, so the cost per call does not grow with Python work per tensor.
 
 Optimizer ops accept either one flat tensor per argument (a bucket) or lists of tensors with
-matching numels; parameters and optimizer state are float32 and contiguous, gradients float32,
-bfloat16 or float16 (upcast inside the kernel).
+matching numels, contiguous: float32 parameters and state with float32, bfloat16 or float16
+gradients (upcast inside the kernel); or bfloat16/float16 parameters with gradients and state in
+their dtype, stepped in float32 math as torch's fused optimizers do. As those, they take
+``lr`` as a one-element tensor (read by the kernel: no host synchronization), and GradScaler's
+``amp_scale`` (gradients are divided by it) and ``found_inf`` (nonzero: the call does nothing).
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ def adamw_step_(
     exp_avg: TensorOrList,
     exp_avg_sq: TensorOrList,
     *,
-    lr: float,
+    lr: float | Tensor,
     beta1: float,
     beta2: float,
     eps: float,
@@ -72,6 +75,9 @@ def adamw_step_(
     grad_scale: float | None = None,
     param_copy: TensorOrList | None = None,
     decoupled_weight_decay: bool = True,
+    state_steps: TensorOrList | None = None,
+    amp_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
     """One ``torch.optim.AdamW`` step, in place, fused into a single pass over memory.
 
@@ -79,15 +85,19 @@ def adamw_step_(
     increment). ``grad_scale`` multiplies every gradient first (averaging, a clipping
     coefficient). ``param_copy`` (bfloat16/float16 tensors matching ``params``) receives the
     updated parameters in the same pass. ``decoupled_weight_decay=False`` gives Adam's L2 weight
-    decay instead (see :func:`adam_step_`).
+    decay instead (see :func:`adam_step_`). ``lr`` may be a one-element float32/float64 tensor
+    on the parameters' device; ``state_steps`` (one float32 scalar tensor per parameter, on
+    their device, already counting this update) replace ``step``; ``amp_scale`` divides the
+    gradients (after ``grad_scale``); a nonzero ``found_inf`` makes the call do nothing.
     """
+    lr_tensor = lr if isinstance(lr, Tensor) else None
     _adam_step(
         _as_list(params),
         _as_list(grads),
         _as_list(exp_avg),
         _as_list(exp_avg_sq),
         _as_list(param_copy),
-        lr=lr,
+        lr=0.0 if lr_tensor is not None else lr,
         beta1=beta1,
         beta2=beta2,
         eps=eps,
@@ -96,6 +106,10 @@ def adamw_step_(
         decoupled_weight_decay=decoupled_weight_decay,
         maximize=maximize,
         grad_scale=grad_scale,
+        state_steps=_as_list(state_steps),
+        lr_tensor=lr_tensor,
+        amp_scale=amp_scale,
+        found_inf=found_inf,
     )
 
 
@@ -118,7 +132,7 @@ def sgd_step_(
     grads: TensorOrList,
     momentum_buffer: TensorOrList | None,
     *,
-    lr: float,
+    lr: float | Tensor,
     momentum: float,
     dampening: float,
     nesterov: bool,
@@ -127,20 +141,23 @@ def sgd_step_(
     grad_scale: float | None = None,
     first_step: bool = False,
     param_copy: TensorOrList | None = None,
+    amp_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
     """One ``torch.optim.SGD`` step, in place.
 
     ``momentum_buffer`` is None (or empty) when ``momentum`` is 0. ``first_step=True`` means the
     buffer holds no history yet: it is set to the gradient, as torch does when its
     ``momentum_buffer`` is None, instead of being blended. ``grad_scale`` and ``param_copy`` as in
-    :func:`adamw_step_`.
+    :func:`adamw_step_`; so are a tensor ``lr``, ``amp_scale`` and ``found_inf``.
     """
+    lr_tensor = lr if isinstance(lr, Tensor) else None
     _sgd_step(
         _as_list(params),
         _as_list(grads),
         _as_list(momentum_buffer),
         _as_list(param_copy),
-        lr=lr,
+        lr=0.0 if lr_tensor is not None else lr,
         momentum=momentum,
         dampening=dampening,
         nesterov=nesterov,
@@ -148,6 +165,9 @@ def sgd_step_(
         maximize=maximize,
         first_step=first_step,
         grad_scale=grad_scale,
+        lr_tensor=lr_tensor,
+        amp_scale=amp_scale,
+        found_inf=found_inf,
     )
 
 

@@ -6,14 +6,20 @@ steps happen inside backward), so its ``param_groups`` are the live hyper-parame
 scheduler changes and its ``state_dict()`` has exactly torch's format.
 
 * torch.optim.SGD, Adam and AdamW with options leanddp's fused kernels cover are stepped in
-  C++ (``FusedOptimizer`` in csrc/fused_optim.h) on float32 buckets: their state lives in flat
-  per-bucket buffers, and ``optimizer.state`` holds views of it.
+  C++ (``FusedOptimizer`` in csrc/fused_optim.h) on float32, bfloat16 and float16 buckets
+  (float32 math; state in the parameters' dtype, as torch's fused optimizers keep it): their
+  state lives in flat per-bucket buffers, and ``optimizer.state`` holds views of it. A tensor
+  ``lr`` on the parameters' device is handed to the kernels as a tensor, never read by the host.
   A parameter in another dense layout (channels_last, a transposed matrix) is stepped there too:
   its gradient view and its state keep its strides, so the kernels go through memory in order.
-* Every other case (another class, an option the kernels lack, a non-float32 parameter or one
+* Every other case (another class, an option the kernels lack, a float64 parameter or one
   with gaps or overlaps, such as a strided slice) is stepped by a per-bucket instance of the
   user's class over that bucket's parameters, sharing ``optimizer.state``
   (:class:`_FallbackStepper`).
+* ``grad_scaler`` (a ``torch.amp.GradScaler``): the kernels divide the gradients by its scale
+  and skip, on the device, the buckets whose gradients hold inf/NaN (and every bucket stepped
+  after one in that backward); ``scaler.step(ddp.optimizer)`` steps nothing and hands the
+  iteration's ``found_inf`` to the scaler, so ``scaler.update()`` backs off or grows as usual.
 * With ``offload_to_cpu`` every parameter is stepped on the host by the fused kernels
   (``HostOffload`` in csrc/offload.h): the state is in host memory, and bfloat16/float16
   parameters get float32 master weights there, exposed as ``state[p]["master_weight"]``.
@@ -132,11 +138,27 @@ def fused_kind(optimizer: torch.optim.Optimizer | type) -> str:
     return kind
 
 
-def _hyper(group: dict[str, Any], cls: type) -> dict[str, Any]:
-    """A param group's hyper-parameters in the fused optimizer's terms."""
+def _lr(lr: Any, device: torch.device | None) -> float | Tensor:
+    """The learning rate for the kernels: a one-element tensor on ``device`` (the kernels read
+    it when they run, so the host never waits for it); anything else as a float (a CPU tensor
+    read in host memory)."""
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1 or lr.dtype not in (torch.float32, torch.float64):
+            _fail(f"a tensor lr must have one float32/float64 element, got {lr.dtype} {lr.shape}")
+        if device is not None and lr.device == device:
+            return lr.reshape(())
+        if lr.device.type != "cpu":
+            where = f"the parameters' device ({device}) or the CPU"
+            _fail(f"a tensor lr must be on {where}, got {lr.device}")
+    return float(lr)
+
+
+def _hyper(group: dict[str, Any], cls: type, device: torch.device | None = None) -> dict[str, Any]:
+    """A param group's hyper-parameters in the fused optimizer's terms (``device``: where a
+    tensor lr may stay a tensor; None: read it as a float)."""
     beta1, beta2 = group.get("betas", (0.9, 0.999))
     return dict(
-        lr=float(group["lr"]),
+        lr=_lr(group["lr"], device),
         beta1=float(beta1),
         beta2=float(beta2),
         eps=float(group.get("eps", 1e-8)),
@@ -162,6 +184,8 @@ class InBackward:
         offload: bool = False,
         offload_threads: int = 1,
         max_grad_norm: float | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        names: Sequence[str] | None = None,
     ) -> None:
         self._ddp = weakref.ref(ddp)  # the Reducer holds the optimizer: no cycle through C++
         self.optimizer = optimizer
@@ -170,13 +194,22 @@ class InBackward:
         self.params = params
         self.group_of = group_of
         self.offload = (offload, offload_threads, max_grad_norm)
-        dtypes = _MASTER_DTYPES if offload else (torch.float32,)
         layout_ok = Tensor.is_contiguous if offload else _is_dense
-        self.fused = [bool(self.kind) and p.dtype in dtypes and layout_ok(p) for p in params]
+        self.fused = [
+            bool(self.kind) and p.dtype in _MASTER_DTYPES and layout_ok(p) for p in params
+        ]
         self._generation = -1
         self.loading = False  # inside optimizer.load_state_dict(): the state is the loaded one
+        self.device = params[0].device
+        if grad_scaler is not None:
+            _check_scaler(grad_scaler, self, names or [str(i) for i in range(len(params))])
+        self.scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
+        self.found_inf: Tensor | None = None  # this iteration's (GradScaler)
         on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
+        # GradScaler: Adam's step counts live on the device (a skipped step is taken back there).
+        on_device = on_device or self.scaler is not None
         self.step_device = str(params[0].device) if on_device and not offload else "cpu"
+        self.fallback = _FallbackStepper(optimizer, self.cls, params, group_of)
         _make_facade(optimizer, self)
         guard_clipping(params)
 
@@ -194,7 +227,7 @@ class InBackward:
             self.group_of,
             self._hypers(),
             self.step_device,
-            _FallbackStepper(self.optimizer, self.cls, self.params, self.group_of),
+            self.fallback,
             *self.offload,
         )
         self._generation = -1
@@ -202,13 +235,24 @@ class InBackward:
             self.load_state()
 
     def _hypers(self) -> list[dict[str, Any]]:
-        return [_hyper(g, self.cls) for g in self.optimizer.param_groups]
+        device = None if self.offload[0] else self.device  # the host step takes numbers
+        return [_hyper(g, self.cls, device) for g in self.optimizer.param_groups]
 
     def before_forward(self) -> None:
-        """Makes the current hyper-parameters the ones the next in-backward steps use."""
+        """Makes the current hyper-parameters (and GradScaler's scale) the ones the next
+        in-backward steps use."""
         self.loading = False  # a load_state_dict that raised changed nothing
         if self.kind:
             self.reducer.set_optimizer_groups(self._hypers())
+        if self.scaler is not None:
+            scaler = self.scaler
+            if scaler._scale is None:  # what scaler.scale(loss) would do, a step earlier
+                scaler._lazy_init_scale_growth_tracker(self.device)
+            scale = scaler._scale
+            if scale.device != self.device:
+                _fail(f"grad_scaler's scale is on {scale.device}, the parameters on {self.device}")
+            self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
+            self.reducer.set_grad_scaler(scale, self.found_inf)
         self.optimizer._opt_called = True  # LR schedulers: the optimizer does step
         self.sync_state()
 
@@ -272,6 +316,30 @@ class InBackward:
         return sum(seen.values())
 
 
+def _check_scaler(scaler: Any, link: InBackward, names: Sequence[str]) -> None:
+    """Raises a clear error where the in-backward steps cannot apply ``scaler``."""
+    if not scaler.is_enabled():
+        return
+    if link.offload[0]:
+        _fail(
+            "grad_scaler is not supported with offload_to_cpu (the host steps would have to "
+            "read the scale and found_inf from the device); use bfloat16, which needs no scaler"
+        )
+    if not link.kind:
+        _fail(
+            "grad_scaler needs an optimizer leanddp's fused kernels step (torch.optim.SGD, "
+            f"Adam or AdamW without amsgrad or differentiable); got {link.cls.__name__}"
+        )
+    for i, fused in enumerate(link.fused):
+        if not fused:
+            p = link.params[i]
+            _fail(
+                f"grad_scaler: parameter {names[i]!r} ({p.dtype}, strides {p.stride()}) is not "
+                "stepped by the fused kernels (float32/bfloat16/float16, contiguous), and a "
+                "per-bucket Python step cannot skip an overflowing step without synchronizing"
+            )
+
+
 class _FallbackStepper:
     """Steps a bucket's parameters with a per-bucket instance of the user's optimizer class.
 
@@ -290,6 +358,7 @@ class _FallbackStepper:
         self._params = params
         self._group_of = group_of
         self._instances: dict[tuple[int, ...], tuple[torch.optim.Optimizer, list[int]]] = {}
+        self.calls = 0  # buckets stepped here (not by the fused kernels)
 
     def _instance(self, members: tuple[int, ...]) -> tuple[torch.optim.Optimizer, list[int]]:
         if members not in self._instances:
@@ -317,6 +386,7 @@ class _FallbackStepper:
         return self._instances[members]
 
     def __call__(self, index: int, members: list[int], grads: list[Tensor]) -> None:
+        self.calls += 1
         instance, groups = self._instance(tuple(members))
         for k, g in enumerate(groups):
             instance.param_groups[k].update(_hyper_items(self._optimizer.param_groups[g]))
@@ -351,7 +421,22 @@ def _base_class_of(cls: type) -> type:
 
 def _facade_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
     """Does nothing: with optimizer_in_backward every bucket is stepped inside backward. A
-    closure, if given, is evaluated (it runs forward and backward, which step)."""
+    closure, if given, is evaluated (it runs forward and backward, which step).
+
+    Called by ``GradScaler.step`` (which set ``self.found_inf``, this class advertising
+    ``_step_supports_amp_scaling``): hands the scaler this iteration's device-side found_inf,
+    which ``scaler.update()`` then reads."""
+    if "found_inf" in self.__dict__:
+        link = self.__dict__.get("_leanddp_link")
+        scaler = link.scaler if link is not None else None
+        if scaler is None or link.found_inf is None:
+            raise RuntimeError(
+                "leanddp optimizer_in_backward: GradScaler.step(ddp.optimizer) was called, but "
+                "the gradients were stepped inside backward without the scaler: pass "
+                "grad_scaler=<the GradScaler> to leanddp.DistributedDataParallel"
+            )
+        state = scaler._per_optimizer_states[id(self)]
+        state["found_inf_per_device"] = {link.found_inf.device: link.found_inf}
     if closure is None:
         return None
     with torch.enable_grad():
@@ -386,6 +471,7 @@ def _make_facade(optimizer: torch.optim.Optimizer, link: InBackward) -> None:
                 "__module__": cls.__module__,
                 "__qualname__": cls.__qualname__,
                 "_leanddp_in_backward": True,
+                "_step_supports_amp_scaling": True,  # GradScaler.step: see _facade_step
                 "step": _facade_step,
                 "add_param_group": _facade_add_param_group,
                 "state": property(_facade_state_get, _facade_state_set),

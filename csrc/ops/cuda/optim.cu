@@ -4,7 +4,10 @@
 // arithmetic as the CPU kernels (optim_math.h). Block b steps chunk b (chunks.h) of one tensor:
 // four elements per thread per access (16-byte float loads, 8-byte bf16/fp16 loads) when every
 // pointer of the chunk is aligned for it, element by element otherwise. Gradients are upcast and
-// the optional bf16/fp16 parameter copy is written in the same pass.
+// the optional bf16/fp16 parameter copy is written in the same pass. bf16/fp16 parameters keep
+// their state in their own dtype and are stepped in float32 math, as torch's fused optimizers
+// do. Device scalars (learning rate, step counts, GradScaler's scale and found_inf) are read by
+// each block, so nothing is copied to the host.
 #include "../checks.h"
 #include "../optim_math.h"
 #include "common.cuh"
@@ -18,12 +21,21 @@ namespace {
 constexpr int64_t kChunkElems = 16 << 10;  // one block's share of a tensor
 
 struct OptimTensor {
-  float* param;
+  void* param;
   const void* grad;
-  float* state0;  // exp_avg, or the momentum buffer
-  float* state1;  // exp_avg_sq
-  void* copy;     // bf16/fp16 copy of the updated parameter, or nullptr
+  void* state0;       // exp_avg, or the momentum buffer (the param's dtype)
+  void* state1;       // exp_avg_sq
+  void* copy;         // bf16/fp16 copy of the updated parameter, or nullptr
+  const float* step;  // Adam's device step count (1-based, this update), or nullptr
   int64_t numel;
+};
+
+// The device scalars of one call; null pointers: absent.
+struct Scalars {
+  const float* lr_f;
+  const double* lr_d;
+  const float* amp_scale;
+  const float* found_inf;
 };
 
 struct AdamRule {
@@ -31,6 +43,15 @@ struct AdamRule {
   AdamConsts c;
   __device__ __forceinline__ void operator()(float& p, float g, float& s0, float& s1) const {
     adam_update(p, g, s0, s1, c);
+  }
+  __device__ __forceinline__ void prepare(const Scalars& s, const OptimTensor& t) {
+    const double lr = s.lr_f ? *s.lr_f : s.lr_d ? *s.lr_d : 0.0;
+    if (t.step) {
+      set_step(c, static_cast<double>(*t.step), lr);
+    } else if (s.lr_f || s.lr_d) {
+      set_lr(c, lr);
+    }
+    if (s.amp_scale) c.amp_scale = *s.amp_scale;
   }
 };
 
@@ -41,26 +62,36 @@ struct SgdRule {
   __device__ __forceinline__ void operator()(float& p, float g, float& s0, float&) const {
     sgd_update<kMomentum>(p, g, &s0, c);
   }
+  __device__ __forceinline__ void prepare(const Scalars& s, const OptimTensor&) {
+    if (s.lr_f) set_lr(c, *s.lr_f);
+    if (s.lr_d) set_lr(c, *s.lr_d);
+    if (s.amp_scale) c.amp_scale = *s.amp_scale;
+  }
 };
 
-template <typename Rule, typename G, typename C, bool kCopy>
+// P: the parameters' (and state's) dtype; G: the gradients'; C: param_copy's.
+template <typename Rule, typename P, typename G, typename C, bool kCopy>
 __global__ void __launch_bounds__(kThreads)
-    optim_kernel(const __grid_constant__ MetaArg meta, Rule rule) {
+    optim_kernel(const __grid_constant__ MetaArg meta, Rule rule, Scalars scalars) {
   const OptimTensor* tensors = meta.array<OptimTensor>(0);
   const Chunk* chunks = meta.array<Chunk>(1);
+  // GradScaler found an inf/NaN: as torch's fused kernels, do nothing.
+  if (scalars.found_inf && *scalars.found_inf != 0.0f) return;
   const Chunk ch = chunks[blockIdx.x];
   const OptimTensor t = tensors[ch.tensor];
+  rule.prepare(scalars, t);
   const int64_t begin = chunk_begin(ch, kChunkElems);
   const int64_t n = chunk_len(ch, kChunkElems, t.numel);
-  float* p = t.param + begin;
+  P* p = static_cast<P*>(t.param) + begin;
   const G* g = static_cast<const G*>(t.grad) + begin;
-  float* s0 = Rule::kStates > 0 ? t.state0 + begin : nullptr;
-  float* s1 = Rule::kStates > 1 ? t.state1 + begin : nullptr;
+  P* s0 = Rule::kStates > 0 ? static_cast<P*>(t.state0) + begin : nullptr;
+  P* s1 = Rule::kStates > 1 ? static_cast<P*>(t.state1) + begin : nullptr;
   C* copy = kCopy ? static_cast<C*>(t.copy) + begin : nullptr;
 
-  const bool vec = aligned_to(p, 16) && aligned_to(g, 4 * sizeof(G)) &&
-                   (Rule::kStates < 1 || aligned_to(s0, 16)) &&
-                   (Rule::kStates < 2 || aligned_to(s1, 16)) &&
+  constexpr size_t kPack = 4 * sizeof(P);
+  const bool vec = aligned_to(p, kPack) && aligned_to(g, 4 * sizeof(G)) &&
+                   (Rule::kStates < 1 || aligned_to(s0, kPack)) &&
+                   (Rule::kStates < 2 || aligned_to(s1, kPack)) &&
                    (!kCopy || aligned_to(copy, 4 * sizeof(C)));
   int64_t done = 0;
   if (vec) {
@@ -81,15 +112,30 @@ __global__ void __launch_bounds__(kThreads)
     done = n4;
   }
   for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
-    float pv = p[i];
-    float a = Rule::kStates > 0 ? s0[i] : 0.0f;
-    float b = Rule::kStates > 1 ? s1[i] : 0.0f;
+    float pv = static_cast<float>(p[i]);
+    float a = Rule::kStates > 0 ? static_cast<float>(s0[i]) : 0.0f;
+    float b = Rule::kStates > 1 ? static_cast<float>(s1[i]) : 0.0f;
     rule(pv, static_cast<float>(g[i]), a, b);
-    p[i] = pv;
-    if constexpr (Rule::kStates > 0) s0[i] = a;
-    if constexpr (Rule::kStates > 1) s1[i] = b;
+    p[i] = static_cast<P>(pv);
+    if constexpr (Rule::kStates > 0) s0[i] = static_cast<P>(a);
+    if constexpr (Rule::kStates > 1) s1[i] = static_cast<P>(b);
     if constexpr (kCopy) copy[i] = static_cast<C>(pv);
   }
+}
+
+// The device addresses of the optional scalar tensors.
+Scalars scalars_of(const DeviceScalars& s) {
+  Scalars out{};
+  if (s.lr_tensor.has_value()) {
+    if (s.lr_tensor->scalar_type() == at::kDouble) {
+      out.lr_d = s.lr_tensor->const_data_ptr<double>();
+    } else {
+      out.lr_f = s.lr_tensor->const_data_ptr<float>();
+    }
+  }
+  if (s.amp_scale.has_value()) out.amp_scale = s.amp_scale->const_data_ptr<float>();
+  if (s.found_inf.has_value()) out.found_inf = s.found_inf->const_data_ptr<float>();
+  return out;
 }
 
 // An upper bound of the metadata bytes launch_optim adds for `params`.
@@ -98,20 +144,24 @@ size_t meta_bound(at::TensorList params) {
          meta_bytes<Chunk>(chunk_bound(params, kChunkElems));
 }
 
-// Launches optim_kernel<Rule, ...> over `params` with the grad and copy dtypes of the lists.
+// Launches optim_kernel<Rule, ...> over `params` with the param, grad and copy dtypes of the
+// lists.
 template <typename Rule>
-void launch_optim(const Rule& rule, at::TensorList params, at::TensorList grads,
-                  at::TensorList state0, at::TensorList state1, at::TensorList param_copy) {
+void launch_optim(const Rule& rule, const DeviceScalars& device_scalars, at::TensorList params,
+                  at::TensorList grads, at::TensorList state0, at::TensorList state1,
+                  at::TensorList param_copy) {
   if (params.empty()) return;
   const c10::cuda::CUDAGuard guard(params[0].device());
   std::vector<OptimTensor> tensors(params.size());
   std::vector<int64_t> numels(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
-    tensors[i] = {params[i].data_ptr<float>(),
+    const auto& steps = device_scalars.state_steps;
+    tensors[i] = {params[i].data_ptr(),
                   grads[i].const_data_ptr(),
-                  state0.empty() ? nullptr : state0[i].data_ptr<float>(),
-                  state1.empty() ? nullptr : state1[i].data_ptr<float>(),
+                  state0.empty() ? nullptr : state0[i].data_ptr(),
+                  state1.empty() ? nullptr : state1[i].data_ptr(),
                   param_copy.empty() ? nullptr : param_copy[i].data_ptr(),
+                  steps.empty() ? nullptr : steps[i].const_data_ptr<float>(),
                   params[i].numel()};
     numels[i] = params[i].numel();
   }
@@ -122,14 +172,29 @@ void launch_optim(const Rule& rule, at::TensorList params, at::TensorList grads,
   meta.add(chunks);   // array 1
   const MetaArg& meta_arg = meta.finish(params[0].device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
+  const Scalars scalars = scalars_of(device_scalars);
 
-  auto with_copy = [&](auto grad_tag) {
+  auto launch = [&](auto param_tag, auto grad_tag, auto copy_tag, auto has_copy) {
+    using P = typename decltype(param_tag)::type;
     using G = typename decltype(grad_tag)::type;
+    using C = typename decltype(copy_tag)::type;
+    optim_kernel<Rule, P, G, C, decltype(has_copy)::value>
+        <<<static_cast<unsigned>(chunks.size()), kThreads, 0, stream>>>(meta_arg, rule, scalars);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  // bf16/fp16 params: grads of their dtype, no copy (checks.h).
+  switch (params[0].scalar_type()) {
+    case at::kBFloat16:
+      return launch(Tag<c10::BFloat16>{}, Tag<c10::BFloat16>{}, Tag<c10::BFloat16>{},
+                    std::false_type{});
+    case at::kHalf:
+      return launch(Tag<c10::Half>{}, Tag<c10::Half>{}, Tag<c10::BFloat16>{}, std::false_type{});
+    default:
+      break;
+  }
+  auto with_copy = [&](auto grad_tag) {
     auto go = [&](auto copy_tag, auto has_copy) {
-      using C = typename decltype(copy_tag)::type;
-      optim_kernel<Rule, G, C, decltype(has_copy)::value>
-          <<<static_cast<unsigned>(chunks.size()), kThreads, 0, stream>>>(meta_arg, rule);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch(Tag<float>{}, grad_tag, copy_tag, has_copy);
     };
     if (param_copy.empty()) {
       go(Tag<c10::BFloat16>{}, std::false_type{});
@@ -154,28 +219,35 @@ void launch_optim(const Rule& rule, at::TensorList params, at::TensorList grads,
 void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
                     at::TensorList exp_avg_sq, at::TensorList param_copy, double lr, double beta1,
                     double beta2, double eps, double weight_decay, int64_t step,
-                    bool decoupled_weight_decay, bool maximize, std::optional<double> grad_scale) {
+                    bool decoupled_weight_decay, bool maximize, std::optional<double> grad_scale,
+                    at::TensorList state_steps, const std::optional<at::Tensor>& lr_tensor,
+                    const std::optional<at::Tensor>& amp_scale,
+                    const std::optional<at::Tensor>& found_inf) {
+  const DeviceScalars scalars{lr_tensor, state_steps, amp_scale, found_inf};
   check_adam_args(params, grads, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps,
-                  weight_decay, step, grad_scale);
+                  weight_decay, step, grad_scale, scalars);
   refuse_graph_capture("leanddp::adam_step_", meta_bound(params));
   const AdamRule rule{make_adam_consts(lr, beta1, beta2, eps, weight_decay, step,
                                        decoupled_weight_decay, maximize, grad_scale)};
-  launch_optim(rule, params, grads, exp_avg, exp_avg_sq, param_copy);
+  launch_optim(rule, scalars, params, grads, exp_avg, exp_avg_sq, param_copy);
 }
 
 void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
                    at::TensorList param_copy, double lr, double momentum, double dampening,
                    bool nesterov, double weight_decay, bool maximize, bool first_step,
-                   std::optional<double> grad_scale) {
+                   std::optional<double> grad_scale, const std::optional<at::Tensor>& lr_tensor,
+                   const std::optional<at::Tensor>& amp_scale,
+                   const std::optional<at::Tensor>& found_inf) {
+  const DeviceScalars scalars{lr_tensor, {}, amp_scale, found_inf};
   check_sgd_args(params, grads, momentum_buffer, param_copy, lr, momentum, dampening, nesterov,
-                 weight_decay, grad_scale);
+                 weight_decay, grad_scale, scalars);
   refuse_graph_capture("leanddp::sgd_step_", meta_bound(params));
   const auto consts = make_sgd_consts(lr, momentum, dampening, nesterov, weight_decay, maximize,
                                       first_step, grad_scale);
   if (momentum_buffer.empty()) {
-    launch_optim(SgdRule<false>{consts}, params, grads, {}, {}, param_copy);
+    launch_optim(SgdRule<false>{consts}, scalars, params, grads, {}, {}, param_copy);
   } else {
-    launch_optim(SgdRule<true>{consts}, params, grads, momentum_buffer, {}, param_copy);
+    launch_optim(SgdRule<true>{consts}, scalars, params, grads, momentum_buffer, {}, param_copy);
   }
 }
 
