@@ -139,9 +139,12 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
     }
     TORCH_CHECK(copies.empty() || copies.size() == params.size(),
                 "FusedOptimizer: low-precision copies for some members of a call only");
-    // GradScaler: Adam's counts are advanced on the device before the kernel reads them, and
-    // taken back where found_inf is set, as torch's fused Adam does.
-    const bool device_steps = kind_ == OptimKind::kAdam && targets.found_inf.defined();
+    // found_inf (GradScaler, the NaN check) with Adam's counts on the parameters' device: they
+    // are advanced there before the kernel reads them and taken back where found_inf is set,
+    // as torch's fused Adam does. Counts on the host (a plain Adam on a GPU under the NaN
+    // check) are advanced here and taken back by unstep().
+    const bool device_steps = kind_ == OptimKind::kAdam && targets.found_inf.defined() &&
+                              step_device_ == params[0].device();
     std::vector<at::Tensor> steps;
     if (device_steps) {
       for (size_t s : slots) {
@@ -182,6 +185,11 @@ void FusedOptimizer::unstep(size_t p) {
   TORCH_CHECK(p < steps_.size() && steps_[p] > 0, "FusedOptimizer: parameter ", p,
               " has no step to take back");
   if (--steps_[p] == 0) ++generation_;  // its state is gone from state() again
+  // Counts kept apart from the parameters were advanced whatever found_inf said (step()).
+  if (kind_ == OptimKind::kAdam && step_tensors_[p].defined() &&
+      step_device_ != params_[p].device()) {
+    step_tensors_[p].sub_(1);
+  }
 }
 
 void FusedOptimizer::relayout(const std::vector<Bucket>& old_buckets,

@@ -107,8 +107,55 @@ def _strict(rank: int, world_size: int) -> None:
             )
 
 
+def _nan_on_the_device(rank: int, world_size: int) -> None:
+    """check_for_nan_in_grad with in-backward steps on the device: a NaN in every bucket skips
+    every step (the kernels read the check's flag; the host reads it once, at the end), Adam's
+    step counts are taken back (on the device for fused AdamW, on the host for the plain one),
+    and training goes on equal to torch's DDP + AdamW that never saw that batch."""
+    for fused in (False, True):
+        factory = functools.partial(torch.optim.AdamW, lr=1e-2, fused=fused)
+        model = Net(rank=rank, f64=False).cuda()
+        ref = torch.nn.parallel.DistributedDataParallel(
+            copy.deepcopy(model), process_group=dist.new_group(), bucket_cap_mb=0.0005
+        )
+        ref_opt = factory(ref.module.parameters())
+        ours = leanddp.DistributedDataParallel(
+            copy.deepcopy(model),
+            process_group=dist.new_group(),
+            bucket_cap_mb=0.0005,
+            optimizer_in_backward=factory,
+            check_for_nan_in_grad=True,
+        )
+        for step in range(STEPS):
+            x = _batches(1)[0]
+            if step == 1:
+                before = [p.detach().clone() for p in ours.module.parameters()]
+                with pytest.raises(RuntimeError, match="check_for_nan_in_grad"):
+                    (ours(x).square().mean() * float("nan")).backward()
+                for p, b in zip(ours.module.parameters(), before, strict=True):
+                    assert torch.equal(p, b), f"fused={fused}: a NaN step changed a weight"
+                continue
+            ref(x).square().mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ours(x).square().mean().backward()
+            pairs = zip(ref.module.named_parameters(), ours.module.parameters(), strict=True)
+            for (name, a), b in pairs:
+                torch.testing.assert_close(
+                    b,
+                    a,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda m, n=f"{fused} {step} {name}": f"{n}: {m}",
+                )
+                count, expected = ours.optimizer.state[b]["step"], ref_opt.state[a]["step"]
+                assert float(count) == float(expected), f"fused={fused} {name}: step {count}"
+
+
 @pytest.mark.parametrize(
-    "body", [_views, _in_backward, _with_hooks, _strict], ids=lambda f: f.__name__
+    "body",
+    [_views, _in_backward, _with_hooks, _strict, _nan_on_the_device],
+    ids=lambda f: f.__name__,
 )
 def test_nccl_world_size_1(body) -> None:
     run_ranks(1, body, backend="nccl")
@@ -164,7 +211,7 @@ def _sync_free(rank: int, world_size: int, config: str) -> None:
     raises. With check_for_nan_in_grad ("nan_check"), exactly one per synchronized backward:
     the read of the check's device flags at its end. "fp16_scaler": fp16 parameters stepped by
     the fused kernels under a GradScaler, with a tensor lr."""
-    fused = config in ("in_backward", "nan_check", "fp16_scaler")
+    fused = config in ("in_backward", "fp16_scaler")  # nan_check: Adam's counts on the host
     lr = torch.tensor(1e-3, device="cuda") if config == "fp16_scaler" else 1e-3
     factory = functools.partial(torch.optim.AdamW, lr=lr, fused=fused)
     kwargs = dict(device_ids=[0], bucket_cap_mb=0.0005)

@@ -12,7 +12,8 @@
 #           kernels and build/gpu-suite.stamp matches the hash of csrc/, python/, setup.py and
 #           pyproject.toml, the GPU's architecture and the torch version
 #   the tests part: pytest with the GPU visible: tests/test_flatten.py tests/test_optim_ops.py
-#           tests/test_offload.py (and tests/test_cuda_ddp.py when it exists); then
+#           tests/test_cuda_ops.py tests/test_layout_ops.py tests/test_offload.py
+#           tests/test_in_backward_lowp.py (and tests/test_cuda_ddp.py when it exists); then
 #           compute-sanitizer memcheck, racecheck and synccheck, each over the op tests' CUDA
 #           cases (-k cuda) and test_cuda_ddp.py's in_backward cases; a run fails on
 #           "ERROR SUMMARY: N errors" with N > 0, on a failing test, on no summary, on a timeout
@@ -43,7 +44,7 @@ SMOKE=0
 TESTS_BUDGET_S=570   # the tests part, pytest included: 9.5 minutes
 SANITIZER_MAX_S=240  # one compute-sanitizer run at most
 SANITIZER_MIN_S=60   # one compute-sanitizer run at least (pytest is capped so that three fit)
-OPS_TESTS=(tests/test_flatten.py tests/test_optim_ops.py)
+OPS_TESTS=(tests/test_flatten.py tests/test_optim_ops.py tests/test_cuda_ops.py tests/test_layout_ops.py)
 DDP_TESTS=tests/test_cuda_ddp.py
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
@@ -193,7 +194,8 @@ part_tests() {
     skip tests pytest "smoke run: no GPU"
     return 0
   fi
-  local start=$PART_START files=("${OPS_TESTS[@]}" tests/test_offload.py) tool left runs=3 limit
+  local start=$PART_START tool left runs=3 limit
+  local files=("${OPS_TESTS[@]}" tests/test_offload.py tests/test_in_backward_lowp.py)
   [ -f "$REPO/$DDP_TESTS" ] && files+=("$DDP_TESTS")
   # pytest gets what the build left and the three sanitizer runs do not need at least
   step tests pytest timeout -k 10 $((TESTS_BUDGET_S - (SECONDS - start) - 3 * SANITIZER_MIN_S)) \
