@@ -86,6 +86,8 @@ bool FusedOptimizer::can_step(size_t p) const {
          (on_host_ ? params_[p].is_contiguous() : params_[p].is_non_overlapping_and_dense());
 }
 
+bool FusedOptimizer::counts_beside(size_t p) const { return step_device_ == params_[p].device(); }
+
 at::ScalarType FusedOptimizer::state_dtype(const Bucket& bucket) const {
   // The host steps float32 masters; on the device a bucket holds parameters of one dtype.
   if (on_host_ || bucket.params.empty()) return at::kFloat;
@@ -144,7 +146,7 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
     // as torch's fused Adam does. Counts on the host (a plain Adam on a GPU under the NaN
     // check) are advanced here and taken back by unstep().
     const bool device_steps = kind_ == OptimKind::kAdam && targets.found_inf.defined() &&
-                              step_device_ == params[0].device();
+                              counts_beside(static_cast<size_t>(bucket.params[slots[0]]));
     std::vector<at::Tensor> steps;
     if (device_steps) {
       for (size_t s : slots) {
@@ -186,8 +188,7 @@ void FusedOptimizer::unstep(size_t p) {
               " has no step to take back");
   if (--steps_[p] == 0) ++generation_;  // its state is gone from state() again
   // Counts kept apart from the parameters were advanced whatever found_inf said (step()).
-  if (kind_ == OptimKind::kAdam && step_tensors_[p].defined() &&
-      step_device_ != params_[p].device()) {
+  if (kind_ == OptimKind::kAdam && step_tensors_[p].defined() && !counts_beside(p)) {
     step_tensors_[p].sub_(1);
   }
 }

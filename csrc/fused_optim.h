@@ -81,6 +81,8 @@ class FusedOptimizer {
   // or, on the host, where float32 masters are stepped, contiguous. Fixed for a parameter,
   // whatever bucket it is in, so its state never moves between this and the fallback.
   bool can_step(size_t p) const;
+  // Whether Adam's step counts live on parameter p's device (so the kernels can read them).
+  bool counts_beside(size_t p) const;
   // Steps the members of bucket `index` whose `mask[slot]` is set (all of which can_step):
   // `targets` per slot; allocates the bucket's state at its first step. Bumps the version
   // counters of the tensors stepped, as torch's in-place ops do.

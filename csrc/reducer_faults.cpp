@@ -149,19 +149,23 @@ void Reducer::flag_nonfinite(size_t index) {
     nan_flags_armed_ = true;
   }
   // The largest magnitude of each gradient: NaN or inf exactly where it holds one (a norm of
-  // squares could overflow); one foreach call for the bucket.
+  // squares could overflow); one foreach call for the bucket, whose views share one dtype. An
+  // empty view (which has no largest magnitude) counts as finite.
   std::vector<at::Tensor> views;
   for (const at::Tensor& view : bucket.views) {
     if (view.numel() > 0) views.push_back(view);
   }
   std::vector<at::Tensor> largest;
   if (!views.empty()) largest = at::_foreach_norm(views, std::numeric_limits<double>::infinity());
-  std::vector<at::Tensor> per_slot;
-  size_t k = 0;
-  for (const at::Tensor& view : bucket.views) {
-    per_slot.push_back(view.numel() > 0 ? largest[k++].to(at::kFloat) : at::zeros({}, options));
+  if (largest.size() < bucket.views.size()) {
+    std::vector<at::Tensor> per_slot;
+    size_t k = 0;
+    for (const at::Tensor& view : bucket.views) {
+      per_slot.push_back(view.numel() > 0 ? largest[k++] : at::zeros({}, view.options()));
+    }
+    largest = std::move(per_slot);
   }
-  const at::Tensor bad = at::stack(per_slot).isfinite().logical_not().to(at::kFloat);
+  const at::Tensor bad = at::stack(largest).isfinite().logical_not().to(at::kFloat);
   nan_flags_.narrow(0, slot_base(buckets_, index), bad.numel()).copy_(bad);
   nan_seen_.clamp_min_(bad.amax());
 }

@@ -77,22 +77,27 @@ def _with_hooks(rank: int, world_size: int) -> None:
             assert_params_close(run, f"{hook.__name__} accum={accum} step {step}")
 
 
-def _strict(rank: int, world_size: int) -> None:
-    """check_for_nan_in_grad="strict": every bucket is collected on the caller's stream at the
-    end of backward, checked, then stepped on the side stream, which must follow that stream."""
-    factory = OPTIMIZERS["adamw"]
+def _nan_checked_pair(rank: int, factory, check: bool | str):
+    """torch's DDP + ``factory``'s optimizer, and leanddp stepping with ``factory`` inside
+    backward under ``check_for_nan_in_grad=check``, from the same weights, tiny buckets."""
     model = Net(rank=rank, f64=False).cuda()
     ref = torch.nn.parallel.DistributedDataParallel(
         copy.deepcopy(model), process_group=dist.new_group(), bucket_cap_mb=0.0005
     )
-    ref_opt = factory(ref.module.parameters())
     ours = leanddp.DistributedDataParallel(
         copy.deepcopy(model),
         process_group=dist.new_group(),
         bucket_cap_mb=0.0005,
         optimizer_in_backward=factory,
-        check_for_nan_in_grad="strict",
+        check_for_nan_in_grad=check,
     )
+    return ref, factory(ref.module.parameters()), ours
+
+
+def _strict(rank: int, world_size: int) -> None:
+    """check_for_nan_in_grad="strict": every bucket is collected on the caller's stream at the
+    end of backward, checked, then stepped on the side stream, which must follow that stream."""
+    ref, ref_opt, ours = _nan_checked_pair(rank, OPTIMIZERS["adamw"], "strict")
     for step in range(STEPS):
         batches = _batches(2)
         accumulate(ref, batches)
@@ -114,18 +119,7 @@ def _nan_on_the_device(rank: int, world_size: int) -> None:
     and training goes on equal to torch's DDP + AdamW that never saw that batch."""
     for fused in (False, True):
         factory = functools.partial(torch.optim.AdamW, lr=1e-2, fused=fused)
-        model = Net(rank=rank, f64=False).cuda()
-        ref = torch.nn.parallel.DistributedDataParallel(
-            copy.deepcopy(model), process_group=dist.new_group(), bucket_cap_mb=0.0005
-        )
-        ref_opt = factory(ref.module.parameters())
-        ours = leanddp.DistributedDataParallel(
-            copy.deepcopy(model),
-            process_group=dist.new_group(),
-            bucket_cap_mb=0.0005,
-            optimizer_in_backward=factory,
-            check_for_nan_in_grad=True,
-        )
+        ref, ref_opt, ours = _nan_checked_pair(rank, factory, True)
         for step in range(STEPS):
             x = _batches(1)[0]
             if step == 1:
