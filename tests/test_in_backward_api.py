@@ -214,3 +214,32 @@ def _load_changes_groups(rank: int, world_size: int) -> None:
 
 def test_load_state_dict_with_other_hyper_parameters() -> None:
     run_ranks(1, _load_changes_groups)
+
+
+def _clip_imported_early(rank: int, world_size: int) -> None:
+    # The common idiom: references taken before any wrapper exists.
+    from torch.nn.utils import clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_
+    from torch.nn.utils.clip_grad import clip_grad_norm
+
+    model = _model()
+    ddp = leanddp.DistributedDataParallel(model, optimizer_in_backward=ADAMW)
+    _train_step(ddp)
+    calls = [
+        lambda: clip_grad_norm_(model.parameters(), 1.0),
+        lambda: clip_grad_norm(model.parameters(), 1.0),
+        lambda: clip_grad_value_(model[0].weight, 1.0),
+        lambda: clip_grads_with_norm_(model.parameters(), 1.0, torch.tensor(2.0)),
+        lambda: torch.nn.utils.clip_grad_norm_(list(ddp.parameters()), 1.0),
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="nothing left to clip"):
+            call()
+    # the same references still clip other parameters
+    other = nn.Linear(2, 2)
+    other(torch.ones(1, 2)).sum().backward()
+    assert float(clip_grad_norm_(other.parameters(), 1e-3)) > 1e-3
+    assert other.weight.grad.norm() <= 1e-3 + 1e-6
+
+
+def test_clipping_imported_before_wrapping_raises() -> None:
+    run_ranks(1, _clip_imported_early)

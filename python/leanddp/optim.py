@@ -499,24 +499,52 @@ def _after_load(optimizer: torch.optim.Optimizer) -> None:
 # clipping: gradients of in-backward parameters are gone by the time user code could clip
 
 _GUARDED: dict[int, weakref.ref] = {}
-_CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_", "clip_grads_with_norm_")
+#: The clipping functions of torch.nn.utils.clip_grad that take parameters (clip_grad_norm and
+#: torch.nn.utils.clip_grads_with_norm_ call these at call time).
+_CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_value_", "_clip_grads_with_norm_")
 
 
 def guard_clipping(params: Sequence[nn.Parameter]) -> None:
     """Makes torch.nn.utils' clipping functions raise when given these parameters: with
     optimizer_in_backward their gradients were stepped and released inside backward, and
-    clipping nothing would silently train unclipped."""
+    clipping nothing would silently train unclipped.
+
+    The guard goes inside the function objects themselves, so that a reference taken before
+    wrapping (``from torch.nn.utils import clip_grad_norm_``) is guarded too: torch's clipping
+    functions are ``_no_grad`` wrappers that look up the function they wrap in a closure cell
+    at call time, and that cell is pointed at the guarded function. Where a torch version
+    builds them otherwise, the module attributes are replaced instead; clip_grad_norm_ then
+    stays guarded through ``_clip_grads_with_norm_``, which it looks up at call time."""
     for p in params:
         key = id(p)
         _GUARDED[key] = weakref.ref(p, lambda _, key=key: _GUARDED.pop(key, None))
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
 
-    for module in (utils, clip_grad):
-        for name in _CLIP_FUNCTIONS:
-            fn = getattr(module, name, None)
-            if fn is not None and not getattr(fn, "_leanddp_guard", False):
-                setattr(module, name, _guarded(fn, name))
+    for name in _CLIP_FUNCTIONS:
+        fn = getattr(clip_grad, name, None)
+        if fn is None or _guard_inside(fn, name):
+            continue
+        guarded = _guarded(fn, name)  # torch changed its wrappers: replace the attributes
+        for module in (utils, clip_grad):
+            for attr in (name, name.lstrip("_")):
+                if getattr(module, attr, None) is fn:
+                    setattr(module, attr, guarded)
+
+
+def _guard_inside(fn: Callable[..., Any], name: str) -> bool:
+    """Points the closure cell holding the function a ``_no_grad`` wrapper calls at a guarded
+    version of it; False if ``fn`` is not built that way."""
+    cells = [
+        c
+        for var, c in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True)
+        if var == "func" and callable(c.cell_contents)
+    ]
+    if len(cells) != 1:
+        return False
+    if not getattr(cells[0].cell_contents, "_leanddp_guard", False):
+        cells[0].cell_contents = _guarded(cells[0].cell_contents, name.lstrip("_"))
+    return True
 
 
 def _guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
