@@ -60,6 +60,7 @@ _IMPL = _parse_args().impl
 import inspect  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -79,9 +80,13 @@ if _IMPL == "leanddp":
     torch.nn.parallel.distributed.DistributedDataParallel = LEAN_DDP
 
 # Every DDP object a rank constructs is recorded (class name, one line per object) in
-# $LEANDDP_TORCH_SUITE_RECORD/<test>.<pid>; torch's and leanddp's __init__ are both wrapped
-# because leanddp's does not call torch's.
-_RECORD_DIR = os.environ.setdefault("LEANDDP_TORCH_SUITE_RECORD", tempfile.mkdtemp())
+# $LEANDDP_TORCH_SUITE_DIR/<test>.<pid> (the variable carries the folder to spawned ranks);
+# torch's and leanddp's __init__ are both wrapped because leanddp's does not call torch's.
+_WORK_DIR = os.environ.setdefault(
+    "LEANDDP_TORCH_SUITE_DIR", tempfile.mkdtemp(prefix="torch_ddp_suite.")
+)
+_RECORD_DIR = os.path.join(_WORK_DIR, "constructed")
+os.makedirs(_RECORD_DIR, exist_ok=True)
 _CURRENT_TEST = {"name": "unknown"}
 
 
@@ -215,7 +220,8 @@ def _constructed(test: str) -> list[str]:
 
 def _run_shard(names: list[str], out: str) -> None:
     """Runs `names` one after another in this process; writes their outcomes to `out`."""
-    os.environ["TEMP_DIR"] = tempfile.mkdtemp()  # distributed_test's barrier files, per shard
+    # distributed_test's barrier files, one folder per shard
+    os.environ["TEMP_DIR"] = tempfile.mkdtemp(dir=_WORK_DIR)
     suite = unittest.TestSuite(TorchDDPTests(n) for n in names)
     with open(os.devnull, "w") as quiet:
         result = unittest.TextTestRunner(resultclass=_Recorder, stream=quiet).run(suite)
@@ -231,7 +237,7 @@ def run(names: list[str], jobs: int) -> dict[str, dict]:
     """
     outcomes: dict[str, dict] = {}
     shards = [names[i::jobs] for i in range(jobs) if names[i::jobs]]
-    tmp = tempfile.mkdtemp()
+    tmp = tempfile.mkdtemp(dir=_WORK_DIR)
     children = []
     for index, shard in enumerate(shards):
         out = os.path.join(tmp, f"shard{index}.json")
@@ -270,7 +276,10 @@ def main() -> None:
         print("\n".join(names))
         return
     start = time.monotonic()
-    tests = run(names, args.jobs) if names else {}
+    try:
+        tests = run(names, args.jobs) if names else {}
+    finally:
+        shutil.rmtree(_WORK_DIR, ignore_errors=True)
     seconds = time.monotonic() - start
     for name, record in tests.items():
         print(f"{args.impl}: {name}: {record['outcome']}", file=sys.stderr)
