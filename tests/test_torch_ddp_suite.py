@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SUITE = Path(__file__).parent / "scripts" / "torch_ddp_suite.py"
 DOC = Path(__file__).parents[1] / "docs" / "ddp.md"
 BEGIN, END = "<!-- torch-ddp-tests:begin -->", "<!-- torch-ddp-tests:end -->"
@@ -108,3 +110,16 @@ def test_torch_ddp_tests_pass_with_leanddp(tmp_path: Path) -> None:
     )
     stale = sorted(n for n in differences if n in ours and ours[n]["outcome"] == "passed")
     assert not stale, f"listed in docs/ddp.md but pass with leanddp now: {stale}"
+
+
+def test_documented_differences_table() -> None:
+    """The doc's table parses; rows name one test in backticks and give a reason."""
+    assert isinstance(documented_differences(DOC.read_text()), dict)
+    header = "| test | difference |\n|---|---|\n"
+    text = f"x\n{BEGIN}\n{header}| `test_a` | why a |\n| `test_b` | why b |\n{END}\n"
+    assert documented_differences(text) == {"test_a": "why a", "test_b": "why b"}
+    for row in ["| test_a | no backticks |", "| `test_a` |  |", "| `test_a` | a | b |"]:
+        with pytest.raises(AssertionError, match="malformed row"):
+            documented_differences(f"{BEGIN}\n{header}{row}\n{END}")
+    with pytest.raises(AssertionError, match="needs"):
+        documented_differences(header)
