@@ -8,6 +8,7 @@
 #include <pybind11/functional.h>
 #include <torch/extension.h>
 #include <torch/version.h>
+#include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <functional>
 #include <map>
@@ -18,9 +19,9 @@ namespace py = pybind11;
 
 namespace {
 
-// A communication hook written in Python: `launch(index, buffer, is_last, params)` returns an
-// object
-// with `wait()` (a torch.futures.Future) whose value is the reduced tensor, or a list holding it.
+// A communication hook written in Python: `launch(index, bucket_count, buffer, params)` returns
+// an object with `wait()` (a torch.futures.Future) whose value is the reduced tensor, or a list
+// holding it.
 class PyCommHook final : public leanddp::CommHook {
  public:
   explicit PyCommHook(py::object launch) : launch_(std::move(launch)) {}
@@ -29,10 +30,10 @@ class PyCommHook final : public leanddp::CommHook {
     futures_.clear();
     launch_ = py::object();
   }
-  void launch(size_t index, const at::Tensor& buffer, bool is_last,
+  void launch(size_t index, size_t bucket_count, const at::Tensor& buffer,
               const std::vector<int64_t>& params) override {
     py::gil_scoped_acquire gil;
-    py::object future = launch_(index, buffer, is_last, params);
+    py::object future = launch_(index, bucket_count, buffer, params);
     if (futures_.size() <= index) futures_.resize(index + 1);
     futures_[index] = std::move(future);
   }
@@ -64,6 +65,27 @@ class PyCommHook final : public leanddp::CommHook {
   py::object launch_;
   std::vector<py::object> futures_;
 };
+
+// torch's own `dist.GradBucket` (c10d::GradBucket, bound by torch with a shared_ptr holder) over
+// a bucket: `buffer` holds `params`' gradients at `offsets` with `lengths` (elements; both empty
+// for a sparse bucket, whose buffer is the sparse gradient). GradBucket keeps its sizes as
+// non-owning IntArrayRefs: they point into the parameters' own sizes, and the GradBucket holds
+// the parameters, so they outlive it.
+py::object make_grad_bucket(size_t index, size_t bucket_count, const at::Tensor& buffer,
+                            std::vector<size_t> offsets, std::vector<size_t> lengths,
+                            std::vector<at::Tensor> params) {
+  TORCH_CHECK(
+      offsets.size() == lengths.size() && (offsets.empty() || offsets.size() == params.size()),
+      "leanddp: a GradBucket needs one offset and one length per parameter");
+  std::vector<c10::IntArrayRef> sizes;
+  if (!offsets.empty()) {
+    for (const at::Tensor& p : params) sizes.push_back(p.sizes());
+  }
+  auto bucket = std::make_shared<c10d::GradBucket>(index, bucket_count, buffer, std::move(offsets),
+                                                   std::move(lengths), std::move(sizes),
+                                                   std::move(params), std::nullopt);
+  return py::cast(bucket);
+}
 
 // The in-backward step of buckets the fused kernels do not cover, written in Python:
 // `step(index, params, grads)` (see leanddp.optim).
@@ -273,7 +295,26 @@ void bind_reducer(py::module_& m) {
       .def("bucket_bytes", &Reducer::bucket_bytes, py::call_guard<py::gil_scoped_release>())
       .def("has_rebuilt_buckets", &Reducer::has_rebuilt_buckets,
            py::call_guard<py::gil_scoped_release>())
-      .def("num_iterations", &Reducer::num_iterations, py::call_guard<py::gil_scoped_release>());
+      .def("num_iterations", &Reducer::num_iterations, py::call_guard<py::gil_scoped_release>())
+      .def("time_iteration", &Reducer::time_iteration, py::arg("sampled"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("collect_times", [](Reducer& self) -> py::object {
+        leanddp::IterationTimes t;
+        {
+          py::gil_scoped_release release;
+          t = self.collect_times();
+        }
+        if (!t.valid) return py::none();
+        py::dict d;
+        d["host_ns"] = std::vector<int64_t>(t.host_ns.begin(), t.host_ns.end());
+        d["forward_compute_time"] = t.forward_compute;
+        d["backward_compute_time"] = t.backward_compute;
+        d["backward_comm_time"] = t.backward_comm;
+        d["backward_compute_comm_overlap_time"] = t.overlap;
+        d["grad_ready_order"] = t.grad_ready_order;
+        d["unused"] = t.unused;
+        return d;
+      });
 }
 
 }  // namespace
@@ -282,6 +323,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "leanddp's C++/CUDA extension";
   bind_reducer(m);
   bind_step_window(m);
+  m.def("make_grad_bucket", &make_grad_bucket, py::arg("index"), py::arg("bucket_count"),
+        py::arg("buffer"), py::arg("offsets"), py::arg("lengths"), py::arg("params"),
+        "torch's dist.GradBucket over a bucket's buffer (what communication hooks receive).");
   m.def(
       "build_info",
       [] {

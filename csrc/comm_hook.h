@@ -14,12 +14,12 @@ namespace leanddp {
 class CommHook {
  public:
   virtual ~CommHook() = default;
-  // Starts reducing bucket `index`, whose flat buffer `buffer` holds this rank's gradients (not
-  // divided by the world size: the hook averages, as torch's hooks do) of the parameters
-  // `params` (Reducer indices, buffer order). Called on the autograd thread, in bucket order,
-  // once per bucket per synchronized backward, with the Reducer's lock held: it must not call
-  // back into the Reducer.
-  virtual void launch(size_t index, const at::Tensor& buffer, bool is_last,
+  // Starts reducing bucket `index` of `bucket_count`, whose flat buffer `buffer` holds this
+  // rank's gradients (not divided by the world size: the hook averages, as torch's hooks do) of
+  // the parameters `params` (Reducer indices, buffer order). Called on the autograd thread, in
+  // bucket order, once per bucket per synchronized backward, with the Reducer's lock held: it
+  // must not call back into the Reducer.
+  virtual void launch(size_t index, size_t bucket_count, const at::Tensor& buffer,
                       const std::vector<int64_t>& params) = 0;
   // Returns bucket `index`'s reduced tensor (same numel as the buffer; may be the buffer itself)
   // and forgets it. Called once per bucket per backward, from a hook or the end-of-backward

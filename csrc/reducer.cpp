@@ -188,6 +188,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   peak_bucket_bytes_ = allocated_bytes_;
   max_in_flight_ = 0;
   recording_order_ = should_rebuild() && ready_order_.empty();
+  timer_.mark(IterationTimer::kBackwardComputeStart);
   if (options_.static_graph) {
     if (iterations_ > 0) unused_ = static_unused_;
     return;
@@ -257,6 +258,7 @@ void Reducer::autograd_hook(size_t index) {
               "). Reentrant activation checkpointing does this: use "
               "torch.utils.checkpoint.checkpoint(..., use_reentrant=False).");
   local_used_[index] = 1;
+  timer_.ready(static_cast<int64_t>(index));  // (hooks only, as torch's order: not the unused)
   mark_ready(index);
 }
 
@@ -286,6 +288,7 @@ void Reducer::mark_ready(size_t index) {
     window_.launched_one();
     max_in_flight_ = std::max(max_in_flight_, static_cast<int64_t>(window_.in_flight()));
   }
+  if (next_bucket_ == buckets_.size()) timer_.mark(IterationTimer::kBackwardComputeEnd);
   if (next_bucket_ == buckets_.size() && tracks_unused() && !local_used_work_) {
     // Through a fresh pinned buffer, without blocking the host (as torch's DDP does): the
     // caching host allocator keeps it until the copy has run, and the next iteration's marks
@@ -306,6 +309,7 @@ void Reducer::mark_ready(size_t index) {
 }
 
 void Reducer::launch(size_t bucket_index) {
+  timer_.mark(IterationTimer::kBackwardCommStart);
   if (buckets_[bucket_index].sparse) return launch_sparse(bucket_index);
   ensure_allocated(bucket_index);
   Bucket& bucket = buckets_[bucket_index];
@@ -333,8 +337,7 @@ void Reducer::launch(size_t bucket_index) {
     sources_[p] = at::Tensor();
   }
   if (comm_hook_) {
-    comm_hook_->launch(bucket_index, bucket.flat, bucket_index + 1 == buckets_.size(),
-                       bucket.params);
+    comm_hook_->launch(bucket_index, buckets_.size(), bucket.flat, bucket.params);
   } else {
     std::vector<at::Tensor> tensors{bucket.flat};
     try {
@@ -427,6 +430,8 @@ void Reducer::finalize() {
         if (!local_used_[i]) static_unused_.push_back(static_cast<int64_t>(i));
       }
     }
+    timer_.note_unused(unused_);
+    timer_.mark(IterationTimer::kBackwardCommEnd);
     ++iterations_;
     if (comm_hook_) comm_hook_->reset();
     reset_iteration_state();
@@ -651,6 +656,16 @@ bool Reducer::has_rebuilt_buckets() const {
 int64_t Reducer::num_iterations() const {
   std::lock_guard<std::mutex> lock(mu_);
   return iterations_;
+}
+
+void Reducer::time_iteration(bool sampled) {
+  std::lock_guard<std::mutex> lock(mu_);
+  timer_.start(sampled, params_.front().device());
+}
+
+IterationTimes Reducer::collect_times() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return timer_.collect();
 }
 
 }  // namespace leanddp

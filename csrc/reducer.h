@@ -36,6 +36,7 @@
 #include "comm_hook.h"
 #include "fused_optim.h"
 #include "offload.h"
+#include "run_stats.h"
 #include "step_window.h"
 #include "stepper.h"
 #include "streams.h"
@@ -186,6 +187,12 @@ class Reducer {
   std::vector<int64_t> bucket_bytes() const;
   bool has_rebuilt_buckets() const;
   int64_t num_iterations() const;  // synchronized backwards finished
+  // torch's runtime statistics (see run_stats.h): called at each forward that prepares a
+  // synchronized backward, before the module runs; `sampled` measures this iteration.
+  void time_iteration(bool sampled);
+  // The last measured iteration's statistics (valid=false if none completed since the last
+  // call); on a GPU the host waits for that iteration's timing events.
+  IterationTimes collect_times();
 
  private:
   // The post hook of parameter `index`'s gradient accumulator: runs after each accumulation.
@@ -354,6 +361,7 @@ class Reducer {
   std::vector<int64_t> static_unused_;  // static graph: unused on this rank in the first iteration
   std::vector<int32_t> static_used_;    // static graph: used on any rank in the first iteration
   std::vector<char> grad_was_view_;     // we set param.grad to its bucket view
+  IterationTimer timer_;                // sampled iterations' moments (torch's logging data)
 };
 
 }  // namespace leanddp

@@ -47,8 +47,8 @@ _BAD = [
     (dict(offload_threads=2), ValueError, "offload_threads is meaningful only with"),
     (dict(max_grad_norm=1.0), ValueError, "max_grad_norm needs optimizer_in_backward"),
     (dict(check_for_nan_in_grad="yes"), ValueError, "check_for_nan_in_grad must be True, False"),
-    (dict(module=_TwoDevices()), ValueError, "several devices"),
-    (dict(module=torch.nn.Linear(2, 2).requires_grad_(False)), ValueError, "no parameter"),
+    (dict(module=_TwoDevices()), ValueError, "must be on the same type of devices"),
+    (dict(module=torch.nn.Linear(2, 2).requires_grad_(False)), RuntimeError, "is not needed"),
 ]
 
 
@@ -139,7 +139,9 @@ def _reducer_and_logging(rank: int, world_size: int) -> None:
     theirs, mine = ref._get_ddp_logging_data(), ours._get_ddp_logging_data()
     assert set(mine) <= set(theirs), set(mine) - set(theirs)
     for key in mine:
-        if key not in ("bucket_sizes", "iteration", "has_rebuilt_buckets"):  # sampled in torch
+        # durations and timestamps are measured (checked in test_ddp_torch_api); the first
+        # buckets of a mixed-dtype module come in another order than torch's
+        if "_time" not in key and key != "bucket_sizes":
             assert mine[key] == theirs[key], (key, mine[key], theirs[key])
     # third-party code drives the reducer directly
     module = Net(rank=rank)

@@ -211,12 +211,12 @@ class _FunctionalSparse(nn.Module):
         return self.lin(F.embedding(idx, self.table, sparse=True)).sum()
 
 
-def _flat_only_hook(state: object, bucket: object) -> torch.futures.Future:
+def _flat_only_hook(state, bucket):  # (string annotations would fail torch's hook check)
     bucket.buffer().view(-1)  # what a hook written for flat buffers may do: raises on sparse
     return default_hooks.allreduce_hook(state, bucket)
 
 
-def _dense_result_hook(state: object, bucket: object) -> torch.futures.Future:
+def _dense_result_hook(state, bucket):
     if not bucket.buffer().is_sparse:
         return default_hooks.allreduce_hook(state, bucket)
     future: torch.futures.Future = torch.futures.Future()

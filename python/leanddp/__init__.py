@@ -7,8 +7,9 @@ gradients stored once (``param.grad`` is a view into the flat communication buck
 Adam/AdamW/SGD steps on flat memory, on CPU and CUDA.
 """
 
+from torch.distributed import GradBucket  # what communication hooks receive (torch's own)
+
 from . import ops
-from ._comm import GradBucket
 from ._config import DDPConfig
 from ._extension import build_info
 from .ddp import DistributedDataParallel

@@ -1,9 +1,18 @@
 """Communication hooks: torch's ``register_comm_hook`` contract on top of leanddp's Reducer.
 
 The Reducer calls :func:`make_launcher`'s function once per bucket, on the autograd thread, with
-the bucket's flat buffer; the user's hook receives a :class:`GradBucket` offering what torch's
-``dist.GradBucket`` offers, so torch's own hooks (allreduce, fp16/bf16 compression, PowerSGD)
-work unchanged.
+the bucket's flat buffer; the user's hook receives torch's own ``torch.distributed.GradBucket``
+(built in C++ over that buffer), so torch's hooks (allreduce, fp16/bf16 compression, PowerSGD)
+and code that checks ``isinstance(bucket, dist.GradBucket)`` work unchanged.
+
+The buffer holds this rank's gradients, not yet divided by the world size: the hook averages,
+as torch's hooks do. Its future's value (a tensor, or a list holding one) is copied back into
+the bucket, whose slices are the parameters' gradients. As in torch, ``bucket.set_buffer(t)``
+replaces the tensor the GradBucket hands out (it does not copy into the bucket).
+
+A parameter with sparse gradients (``nn.Embedding(sparse=True)``) has a bucket of its own whose
+buffer is its sparse gradient, as in torch: the future must hold a sparse tensor of the
+parameter's shape (``allreduce_hook`` does on gloo), and ``gradients()`` is empty.
 """
 
 from __future__ import annotations
@@ -12,72 +21,54 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from ._extension import _C
 
 
-class GradBucket:
-    """One bucket of gradients, as a communication hook sees it (mirrors ``dist.GradBucket``).
-
-    The buffer holds this rank's gradients, not yet divided by the world size: the hook
-    averages, as torch's hooks do. Its future's value (a tensor, or a list holding one) is
-    copied back into the buffer, whose slices are the parameters' gradients.
-
-    A parameter with sparse gradients (``nn.Embedding(sparse=True)``) has a bucket of its own
-    whose buffer is its sparse gradient, as in torch: the future must hold a sparse tensor of the
-    parameter's shape (``allreduce_hook`` does on gloo), and :meth:`gradients` is empty.
-    """
-
-    def __init__(
-        self, index: int, buffer: Tensor, is_last: bool, params: Sequence[torch.nn.Parameter]
-    ) -> None:
-        self._index = index
-        self._buffer = buffer
-        self._is_last = is_last
-        self._params = list(params)
-
-    def index(self) -> int:
-        """The bucket's index; bucket 0 holds the gradients that become ready first."""
-        return self._index
-
-    def buffer(self) -> Tensor:
-        """The flat 1-D buffer holding the bucket's gradients."""
-        return self._buffer
-
-    def gradients(self) -> list[Tensor]:
-        """The buffer's slices, one per parameter, shaped like the parameters (none for a
-        sparse bucket, as torch's)."""
-        if self._buffer.is_sparse:
-            return []
-        out, offset = [], 0
-        for p in self._params:
-            out.append(self._buffer[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return out
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        """The bucket's parameters, in buffer order."""
-        return list(self._params)
-
-    def is_last(self) -> bool:
-        """Whether this is the last bucket of the iteration to be reduced."""
-        return self._is_last
-
-    def set_buffer(self, buffer: Tensor) -> None:
-        """Copies ``buffer`` into the bucket's buffer (the storage stays the Reducer's)."""
-        self._buffer.copy_(buffer if self._buffer.is_sparse else buffer.reshape(-1))
+def builtin_hook(kind: Any) -> Callable[[Any, dist.GradBucket], torch.futures.Future] | None:
+    """The hook of a ``dist.BuiltinCommHookType`` (its state is the process group), or None.
+    torch's C++ built-ins divide by the world size and then allreduce (ALLREDUCE) or do the same
+    in float16 and copy the result back (FP16_COMPRESS): what these Python hooks do."""
+    if kind == dist.BuiltinCommHookType.ALLREDUCE:
+        return default_hooks.allreduce_hook
+    if kind == dist.BuiltinCommHookType.FP16_COMPRESS:
+        return default_hooks.fp16_compress_hook
+    return None
 
 
 def make_launcher(
-    hook: Callable[[Any, GradBucket], torch.futures.Future],
+    hook: Callable[[Any, dist.GradBucket], torch.futures.Future],
     state: Any,
     params: Sequence[torch.nn.Parameter],
     names: Sequence[str],
-) -> Callable[[int, Tensor, bool, list[int]], torch.futures.Future]:
-    """The function the Reducer calls per bucket (with the indices into ``params`` of the
-    bucket's parameters; ``names`` names them): builds the GradBucket and runs the hook."""
+) -> Callable[[int, int, Tensor, list[int]], torch.futures.Future]:
+    """The function the Reducer calls per bucket (bucket index, number of buckets, buffer, and
+    the indices into ``params`` of the bucket's parameters; ``names`` names them): builds the
+    GradBucket and runs the hook."""
+    layouts: dict[int, tuple[list[int], list[int], list[int], list[Tensor]]] = {}
 
-    def launch(index: int, buffer: Tensor, is_last: bool, members: list[int]) -> Any:
-        bucket = GradBucket(index, buffer, is_last, [params[i] for i in members])
+    def layout(index: int, members: list[int]) -> tuple[list[int], list[int], list[Tensor]]:
+        cached = layouts.get(index)
+        if cached is None or cached[0] != members:  # (buckets are rebuilt once)
+            offsets, lengths, offset = [], [], 0
+            for i in members:
+                offsets.append(offset)
+                lengths.append(params[i].numel())
+                offset += params[i].numel()
+            cached = (list(members), offsets, lengths, [params[i] for i in members])
+            layouts[index] = cached
+        return cached[1], cached[2], cached[3]
+
+    def launch(index: int, bucket_count: int, buffer: Tensor, members: list[int]) -> Any:
+        offsets, lengths, members_params = layout(index, members)
+        if buffer.is_sparse:  # one parameter, no dense slices (torch's GradBucket has none)
+            offsets, lengths = [], []
+        bucket = _C.make_grad_bucket(
+            index, bucket_count, buffer, offsets, lengths, list(members_params)
+        )
         if not buffer.is_sparse:
             future = hook(state, bucket)
         else:

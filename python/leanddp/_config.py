@@ -146,7 +146,10 @@ def _fail(message: str, cls: type[Exception] = ValueError) -> None:
 
 def _resolve_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
     if process_group is not None and device_mesh is not None:
-        _fail("pass process_group or device_mesh, not both")
+        raise RuntimeError(
+            "Cannot specify both process_group and device_mesh arguments. "
+            "(leanddp.DistributedDataParallel: pass one of them.)"
+        )
     if not dist.is_available() or not dist.is_initialized():
         _fail(
             "no process group: call torch.distributed.init_process_group() first (torchrun "
@@ -155,7 +158,10 @@ def _resolve_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
         )
     if device_mesh is not None:
         if device_mesh.ndim != 1:
-            _fail(f"device_mesh must be 1-D, got {device_mesh.ndim} dimensions")
+            raise RuntimeError(
+                f"Only 1D device mesh is supported, but got {device_mesh}. "
+                f"(leanddp.DistributedDataParallel: device_mesh has {device_mesh.ndim} dimensions.)"
+            )
         return device_mesh.get_group()
     return process_group if process_group is not None else dist.group.WORLD
 
@@ -183,11 +189,25 @@ def _check_module(module: Any, ignored: Sequence[str]) -> torch.device:
         (n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored
     ]
     if not trainable:
-        _fail(
-            "the module has no parameter that requires a gradient, so there is nothing to "
-            "synchronize (DistributedDataParallel is not needed)"
+        raise RuntimeError(
+            "DistributedDataParallel is not needed when a module doesn't have any parameter "
+            "that requires a gradient. (leanddp.DistributedDataParallel: the module has no "
+            "parameter that requires a gradient, outside _ddp_params_and_buffers_to_ignore, so "
+            "there is nothing to synchronize.)"
         )
+    for n, p in trainable:
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise RuntimeError(
+                "Modules with uninitialized parameters can't be used with "
+                "`DistributedDataParallel`. Run a dummy forward pass to correctly initialize the "
+                f"modules. (leanddp.DistributedDataParallel: parameter {n!r} is uninitialized.)"
+            )
     devices = {p.device for _, p in trainable}
+    if len({d.type for d in devices}) > 1:
+        _fail(
+            "DistributedDataParallel's input module must be on the same type of devices, but "
+            f"input module parameters locate in {sorted({d.type for d in devices})}."
+        )
     if len(devices) > 1:
         first = {}
         for n, p in trainable:
@@ -267,6 +287,11 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
             "without optimizer_in_backward (sparse gradients are then reduced as in torch's DDP)"
         )
     device_ids = kw["device_ids"]
+    if device_ids is not None and len(device_ids) > 1:
+        _fail(
+            "device_ids can only be None or contain a single element. "
+            f"(got device_ids={device_ids!r})"
+        )
     if device_ids is not None:
         device_ids = [torch.device(d).index if not isinstance(d, int) else d for d in device_ids]
         if device.type == "cpu" or len(device_ids) != 1 or device_ids[0] != device.index:

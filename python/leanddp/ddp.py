@@ -17,6 +17,7 @@ from . import _comm, _waits, optim
 from ._collectives import broadcast_from_rank0, verify_same_parameters
 from ._config import DDPConfig, check_arguments
 from ._extension import _C
+from ._logging import DDPLogger
 
 
 class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
@@ -130,6 +131,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         )
         self.module = module
         self._set_config(config)
+        if device_mesh is not None:
+            self.device_mesh = device_mesh  # torch's attribute
         self.process_group = config.process_group
         self.optimizer: torch.optim.Optimizer | None = None
         self._in_backward: optim.InBackward | None = None
@@ -161,6 +164,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 state += self.modules_buffers
             broadcast_from_rank0(state, self.process_group)
         self._build_reducer()
+        self.logger.set_construction_data(self)
+        if config.static_graph:
+            self.logger._set_static_graph()
 
     # ----------------------------------------------------------------------------------------
     # construction helpers (_build_reducer runs again when unpickling)
@@ -186,6 +192,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self._comm_hooks: list[tuple[Callable, Any]] = []
         self._warned_replaced_grads = False
+        self.logger = DDPLogger()  # torch's _get_ddp_logging_data (dist.Logger's role)
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -252,9 +259,15 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 self.reducer.wait_for_steps()  # last step's weights are in place
             grad_enabled = torch.is_grad_enabled()
             if grad_enabled:
-                self._check_parameters_unchanged()
-                self._warn_replaced_grads(self.reducer.prepare_for_forward())
-                self.reducer.rebuild_buckets()
+                try:
+                    self._check_parameters_unchanged()
+                    if self.require_backward_grad_sync:
+                        self.logger.before_forward(self)
+                    self._warn_replaced_grads(self.reducer.prepare_for_forward())
+                    self.reducer.rebuild_buckets()
+                except Exception as e:
+                    self.logger.set_error_and_log(f"{type(e)}: {e}")
+                    raise
                 if self._in_backward is not None:
                     self._in_backward.before_forward()
             if self.will_sync_module_buffers():
@@ -283,12 +296,14 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         try:
             broadcast_from_rank0(self.modules_buffers, self.process_group)
         except RuntimeError as e:
-            raise type(e)(
+            message = (
                 f"leanddp.DistributedDataParallel: rank {self.process_group.rank()}: "
                 "broadcasting buffers from rank 0 failed. Another rank has probably died, raised "
                 "an exception, or run a different sequence of forwards and backwards; this "
                 f"process group cannot be used for training any more. The error: {e}"
-            ) from e
+            )
+            self.logger.set_error_and_log(f"{type(e)}: {message}")
+            raise type(e)(message) from e
 
     def _check_parameters_unchanged(self) -> None:
         """Raises, naming them, if trainable parameters were added, removed, replaced or
@@ -332,14 +347,43 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future]) -> None:
         """Replaces the built-in allreduce with ``hook(state, bucket) -> Future`` (torch's
-        contract; torch's own hooks such as allreduce, fp16/bf16 compression and PowerSGD work).
-        Call once, before the first backward."""
-        if not callable(hook):
-            raise TypeError("register_comm_hook: hook must be callable")
+        contract: ``bucket`` is a ``torch.distributed.GradBucket``; torch's own hooks such as
+        allreduce, fp16/bf16 compression and PowerSGD work). The hook is checked as torch's DDP
+        checks it (TypeError if not callable, ValueError for a ``bucket`` annotation other than
+        ``dist.GradBucket`` or a return annotation other than
+        ``torch.futures.Future[torch.Tensor]``). Call once, before the first backward."""
+        self._check_comm_hook(hook)
+        self._register_hook(hook, state, getattr(hook, "__qualname__", repr(hook)))
+
+    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
+        """torch's built-in hooks: ``dist.BuiltinCommHookType.ALLREDUCE`` (divide by the world
+        size, then allreduce) or ``FP16_COMPRESS`` (the same in float16, copied back), on this
+        wrapper's process group. Call once, before the first backward."""
+        hook = _comm.builtin_hook(comm_hook_type)
+        if hook is None:
+            self._log_and_throw(
+                ValueError,
+                f"_register_builtin_comm_hook: unknown comm_hook_type {comm_hook_type!r}; "
+                "expected a torch.distributed.BuiltinCommHookType",
+            )
+        self._register_hook(hook, self.process_group, str(comm_hook_type))
+
+    def _register_hook(self, hook: Callable, state: object, name: str) -> None:
         if self._comm_hooks:
-            raise RuntimeError("register_comm_hook: a communication hook is already registered")
+            self._log_and_throw(
+                RuntimeError,
+                "register_comm_hook or register_builtin_comm_hook can only be called once. "
+                "(leanddp.DistributedDataParallel: a communication hook is already registered.)",
+            )
+        if self.reducer.num_iterations() > 0:
+            self._log_and_throw(
+                RuntimeError,
+                "leanddp.DistributedDataParallel: register_comm_hook may be called only before "
+                "the first backward",
+            )
         self._attach_comm_hook(hook, state)
         self._comm_hooks.append((hook, state))
+        self.logger._set_comm_hook_name(name)
 
     def _attach_comm_hook(self, hook: Callable, state: object) -> None:
         self.reducer.register_comm_hook(
@@ -347,11 +391,31 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         )
 
     def _set_static_graph(self) -> None:
-        """torch's switch: declares the set of used parameters fixed (before the first step)."""
+        """torch's switch: declares the set of used parameters fixed. Only before the first
+        iteration (RuntimeError afterwards, as torch's DDP); warns if already set."""
         if self.static_graph:
+            warnings.warn(
+                "You've set static_graph to be True, no need to set it again.", stacklevel=2
+            )
             return
+        if self.logger.num_iterations > 0 or self.reducer.num_iterations() > 0:
+            self._log_and_throw(
+                RuntimeError,
+                "set_static_graph() should be called before training loop starts and after "
+                "DistributedDataParallel is constructed. (leanddp.DistributedDataParallel: "
+                "a forward or backward has already run.)",
+            )
         self.reducer.set_static_graph()
         self.static_graph = True
+        self.logger._set_static_graph()
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, "
+                "`_set_static_graph` will detect unused parameters automatically, so you do not "
+                "need to set find_unused_parameters=true, just be sure these unused parameters "
+                "will not change during training loop while calling `_set_static_graph`.",
+                stacklevel=2,
+            )
 
     def _register_fused_optim(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(
@@ -445,27 +509,24 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.reducer.wait_for_steps(host_too=self._config.offload_to_cpu)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """The fields of torch's DDP logging data that leanddp shares, with torch's keys."""
-        dtypes = sorted({_C10_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in self._params})
-        return {
-            "backend_name": self.process_group.name(),
-            "bucket_sizes": ", ".join(str(b) for b in self.reducer.bucket_bytes()),
-            "device_ids": ", ".join(str(d) for d in (self.device_ids or [])),
-            "dtypes": ", ".join(dtypes),
-            "module_name": type(self.module).__name__,
-            "broadcast_buffers": int(self.forward_sync_buffers),
-            "bucket_cap_bytes": self.bucket_bytes_cap,
-            "find_unused_parameters": int(self.find_unused_parameters),
-            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
-            "is_multi_device_module": 0,
-            "iteration": self.reducer.num_iterations(),
-            "num_parameter_tensors": len(self._params),
-            "output_device": self.output_device if self.output_device is not None else -1,
-            "rank": self.process_group.rank(),
-            "has_rebuilt_buckets": int(self.reducer.has_rebuilt_buckets()),
-            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in self._params),
-            "world_size": self.process_group.size(),
-        }
+        """torch's DDP logging data, with torch's keys and meanings (see docs/ddp.md): the
+        constructor's arguments, parameter and bucket sizes, environment variables, the
+        runtime statistics of sampled iterations (ns), ``comm_hook``, ``static_graph``,
+        ``join_uneven_inputs`` and ``has_error``/``error``."""
+        return self.logger._get_ddp_logging_data()
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """Measures runtime statistics every ``sample_rate``-th iteration after the first 10
+        (torch's rule; 100 by default). ValueError if ``sample_rate < 1``."""
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, int):
+            self._log_and_throw(
+                TypeError, f"sample_rate must be an int, got {type(sample_rate).__name__}"
+            )
+        if sample_rate < 1:
+            self._log_and_throw(
+                ValueError, "DDP runtime logging sample rate should be equal or greater than 1"
+            )
+        self.logger.set_sample_rate(sample_rate)
 
     # ----------------------------------------------------------------------------------------
     # pickling: the C++ state is rebuilt, on the default process group (torch's rule)
@@ -492,15 +553,6 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.process_group = dist.distributed_c10d._get_default_group()
         self._config = self._config.with_group(self.process_group)
         self._build_reducer()
-
-
-#: How torch's logging data spells dtypes (c10's names).
-_C10_DTYPE_NAMES = {
-    torch.float32: "float",
-    torch.float64: "double",
-    torch.float16: "c10::Half",
-    torch.bfloat16: "c10::BFloat16",
-}
 
 
 def _move_to(inputs: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
