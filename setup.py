@@ -2,7 +2,11 @@
 
 Install with ``pip install --no-build-isolation .`` (or ``-e .``): the extension must be
 compiled against the very torch it will run with, so pip must not build it in an isolated
-environment with a different torch.
+environment with a different torch. The build stops at once, printing that command, when it
+runs in an isolated build environment (build_support.py); torch is therefore not among the
+build requirements in pyproject.toml, so pip downloads nothing before it stops.
+
+How long a clean build takes, and how to shorten it: README.md, "Build time".
 
 Build environment variables
 ---------------------------
@@ -36,11 +40,15 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import setup
 
 ROOT = Path(__file__).parent.resolve()
+sys.path.insert(0, str(ROOT))
+from build_support import check_build_torch  # noqa: E402
+
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"  # A100 and H100/H200 native, PTX for newer GPUs
 
 
@@ -70,6 +78,7 @@ _cuda_home = _find_cuda_home()
 if _cuda_home:
     os.environ["CUDA_HOME"] = _cuda_home
 
+check_build_torch(str(ROOT), sys.argv)  # before anything else of torch is imported
 import torch  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
