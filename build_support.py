@@ -91,7 +91,7 @@ def torch_mismatch(
     if build_torch is None:
         if roots:
             cause = (
-                f"pip builds leanddp in an isolated environment ({roots[0]}), which has no "
+                f"this build runs in an isolated environment ({roots[0]}), which has no "
                 f"torch ({where}). The extension must be compiled against the torch it runs with"
             )
         else:
@@ -101,7 +101,7 @@ def torch_mismatch(
     if not isolated:
         return None
     return (
-        f"pip builds leanddp in an isolated environment ({isolated[0]}) against its own "
+        f"this build runs in an isolated environment ({isolated[0]}) against its own "
         f"torch ({Path(build_torch).parent}), not the installed one ({where}): the extension "
         "would fail at `import leanddp`. Build against the installed torch with:\n\n"
         f"    {command}\n"

@@ -188,7 +188,7 @@ def test_pip_install_without_no_build_isolation_stops_with_the_command(tmp_path)
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
-    assert "leanddp: pip builds leanddp in an isolated environment" in output
+    assert "leanddp: this build runs in an isolated environment" in output
     assert f"{sys.executable} -m pip install --no-build-isolation {src}" in output
     assert not (tmp_path / "t").exists()
 
