@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from leanddp.bench._report import table
+from leanddp.bench._report import device_bytes_per_param, table
 
 CONFIGS = ["torch DDP", "leanddp", "leanddp + optimizer_in_backward", "leanddp + offload_to_cpu"]
 
@@ -48,6 +48,19 @@ def test_bench_runs_every_configuration_with_accumulation(tmp_path: Path) -> Non
     assert off["host_step"]["buckets"] > 0
     assert "final losses agree across all 4 runs" in done.stdout
     assert (out / "bench.md").read_text().strip() == done.stdout.strip()
+    # the bytes-per-parameter column is the device categories' sum (parameters included) over
+    # the parameter count; torch's DDP holds parameters, gradients, buckets and 2 moments: 20 B
+    header = next(line for line in done.stdout.splitlines() if line.startswith("| configuration"))
+    column = header.split("|").index(" bytes per parameter on the device ")
+    for name, r in runs.items():
+        row = next(line for line in done.stdout.splitlines() if line.startswith(f"| {name} |"))
+        m = r["memory"]
+        total = m["parameters"] + m["gradients"] + m["buckets"] + m["optimizer_device"]
+        assert float(row.split("|")[column]) == round(total / report["params"], 1), name
+        assert len(r["step_times"]) == 1 and r["step_seconds"] == r["step_times"][0]
+    assert 20 <= device_bytes_per_param(runs["torch DDP"], report["params"]) < 20.01
+    assert device_bytes_per_param(runs["leanddp + offload_to_cpu"], report["params"]) < 10
+    assert (out / "bench.png").stat().st_size > 10_000
     assert "[2/4] leanddp, accumulation 2" in done.stderr  # progress
 
 
@@ -96,6 +109,9 @@ def test_report_says_when_final_losses_differ() -> None:
     }
     text, agree = table(report)
     assert agree and "agree across all 2 runs" in text
+    # (8 + 8 + 8 + 16) bytes over 2 parameters; one sample: median, fastest and slowest agree
+    assert "| torch DDP | 1 | 100.0 | 100.0–100.0 | 1.000 |" in text
+    assert "| 20.0 | — | 0.00 | 1.00000 |" in text
     other["losses"] = [2.0, 1.02]
     text, agree = table(report)
     assert not agree and "DIFFER" in text and "2.0e-02 relative" in text

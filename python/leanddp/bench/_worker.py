@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -165,12 +166,14 @@ def run(args: argparse.Namespace) -> dict:
     ddp, opt = build(args.config, model, args, device)
     losses = []
     before = ddp.offload_stats() if CONFIGS[args.config][3] else None
+    marks = []  # the start of each timed step, and the end of the last one
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             dist.barrier()
+        if i >= args.warmup:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            start = time.perf_counter()
+            marks.append(time.perf_counter())
         losses.append(train_step(ddp, opt, data[i % len(data)], args.accum))
         if (i + 1) % max(1, (args.warmup + args.steps) // 4) == 0:
             log(f"step {i + 1}/{args.warmup + args.steps}  loss {losses[-1].item():.4f}")
@@ -178,7 +181,9 @@ def run(args: argparse.Namespace) -> dict:
         ddp.synchronize()  # the last step's host work belongs to the timed steps
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    timed = (time.perf_counter() - start) / args.steps
+    marks.append(time.perf_counter())
+    # Each step's time, start to start: host work that overlaps the next step counts once.
+    step_times = [b - a for a, b in zip(marks[:-1], marks[1:], strict=True)]
     host = None
     if before is not None:
         after = ddp.offload_stats()
@@ -192,7 +197,8 @@ def run(args: argparse.Namespace) -> dict:
     result = dict(
         config=args.config,
         accum=args.accum,
-        step_seconds=timed,
+        step_seconds=statistics.median(step_times),
+        step_times=step_times,
         losses=[float(x) for x in torch.stack(losses).cpu()],
         memory=memory,
         host_step=host,
