@@ -234,6 +234,14 @@ class InBackward:
         if self.optimizer.__dict__["state"]:
             self.load_state()
 
+    def wait_for_steps(self) -> None:
+        """Makes the last backward's steps visible to the caller (``ddp.synchronize()``): with
+        offload_to_cpu the host waits for the host steps and raises an error one met; on a GPU
+        the current stream is ordered after the side stream's steps."""
+        reducer = self.reducer
+        if reducer is not None:
+            reducer.wait_for_steps(host_too=self.offload[0])
+
     def _hypers(self) -> list[dict[str, Any]]:
         device = None if self.offload[0] else self.device  # the host step takes numbers
         return [_hyper(g, self.cls, device) for g in self.optimizer.param_groups]
@@ -420,8 +428,12 @@ def _base_class_of(cls: type) -> type:
 
 
 def _facade_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-    """Does nothing: with optimizer_in_backward every bucket is stepped inside backward. A
-    closure, if given, is evaluated (it runs forward and backward, which step).
+    """Steps nothing: with optimizer_in_backward every bucket is stepped inside backward. A
+    closure, if given, is evaluated (it runs forward and backward, which step). Then makes the
+    steps' updates visible, so that code reading the parameters after ``step()`` (an EMA, a
+    norm, a copy of ``parameters()``) sees them, as after torch's step: with offload_to_cpu the
+    host waits for the host steps and the copies back and raises an error a host step met; on
+    a GPU without it the current stream is ordered after the steps (the host does not wait).
 
     Called by ``GradScaler.step`` (which set ``self.found_inf``, this class advertising
     ``_step_supports_amp_scaling``): hands the scaler this iteration's device-side found_inf,
@@ -437,10 +449,14 @@ def _facade_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None 
             )
         state = scaler._per_optimizer_states[id(self)]
         state["found_inf_per_device"] = {link.found_inf.device: link.found_inf}
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
+    result = None
+    if closure is not None:
+        with torch.enable_grad():
+            result = closure()
+    link = self.__dict__.get("_leanddp_link")
+    if link is not None:
+        link.wait_for_steps()
+    return result
 
 
 def _facade_add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
