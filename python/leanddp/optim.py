@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._optim_state import StateView
+
 _FUSED_KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
 
 
@@ -198,7 +200,6 @@ class InBackward:
         self.fused = [
             bool(self.kind) and p.dtype in _MASTER_DTYPES and layout_ok(p) for p in params
         ]
-        self._generation = -1
         self.loading = False  # inside optimizer.load_state_dict(): the state is the loaded one
         self.device = params[0].device
         if grad_scaler is not None:
@@ -209,6 +210,15 @@ class InBackward:
         # GradScaler: Adam's step counts live on the device (a skipped step is taken back there).
         on_device = on_device or self.scaler is not None
         self.step_device = str(params[0].device) if on_device and not offload else "cpu"
+        self.view = StateView(
+            optimizer,
+            self.kind,
+            params,
+            names or [str(i) for i in range(len(params))],
+            self.fused,
+            group_of,
+            offload,
+        )
         self.fallback = _FallbackStepper(optimizer, self.cls, params, group_of)
         _make_facade(optimizer, self)
         guard_clipping(params)
@@ -230,7 +240,7 @@ class InBackward:
             self.fallback,
             *self.offload,
         )
-        self._generation = -1
+        self.view.generation = -1
         if self.optimizer.__dict__["state"]:
             self.load_state()
 
@@ -248,7 +258,7 @@ class InBackward:
 
     def before_forward(self) -> None:
         """Makes the current hyper-parameters (and GradScaler's scale) the ones the next
-        in-backward steps use."""
+        in-backward steps use, and adopts optimizer state code replaced since the last one."""
         self.loading = False  # a load_state_dict that raised changed nothing
         if self.kind:
             self.reducer.set_optimizer_groups(self._hypers())
@@ -262,6 +272,8 @@ class InBackward:
             self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
             self.reducer.set_grad_scaler(scale, self.found_inf)
         self.optimizer._opt_called = True  # LR schedulers: the optimizer does step
+        if self.kind:
+            self.view.adopt(self.reducer)
         self.sync_state()
 
     def sync_state(self) -> None:
@@ -269,16 +281,7 @@ class InBackward:
         reducer = self.reducer
         if reducer is None or not self.kind or self.loading:
             return
-        generation = reducer.optimizer_generation()
-        if generation == self._generation:
-            return
-        state = self.optimizer.__dict__["state"]
-        for i, p in enumerate(self.params):
-            if self.fused[i]:
-                entries = reducer.optimizer_state(i)
-                if entries:
-                    state[p] = dict(entries)
-        self._generation = generation
+        self.view.sync(reducer)
 
     def load_state(self) -> None:
         """Copies what ``optimizer.state`` holds for fused parameters into the fused state."""
@@ -287,28 +290,7 @@ class InBackward:
         if reducer is None or not self.kind:
             return
         reducer.set_optimizer_groups(self._hypers())  # the loaded groups (momentum on or off)
-        state = self.optimizer.__dict__["state"]
-        for i, p in enumerate(self.params):
-            if not self.fused[i]:
-                continue
-            entry = state.get(p, {})
-            if "master_weight" in entry and self.offload[0]:
-                reducer.load_master_weight(i, entry["master_weight"])
-            if self.kind == "adam":
-                if "step" in entry:
-                    values = [entry["exp_avg"], entry["exp_avg_sq"]]
-                    reducer.load_optimizer_state(i, int(float(entry["step"])), values)
-                else:
-                    reducer.load_optimizer_state(i, 0, [])
-                continue
-            buf = entry.get("momentum_buffer")
-            momentum = self.optimizer.param_groups[self.group_of[i]].get("momentum", 0)
-            if buf is not None and momentum != 0:
-                reducer.load_optimizer_state(i, 1, [buf])
-            else:
-                reducer.load_optimizer_state(i, 0, [])
-        self._generation = -1
-        self.sync_state()
+        self.view.load_all(reducer)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (fused buffers and fallback state alike)."""
