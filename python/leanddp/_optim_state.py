@@ -8,7 +8,8 @@ plain torch optimizer: Lightning moves a loaded state to the root device with
 writes ``state[p]["exp_avg"] = t``. Such a write is adopted before the next in-backward step:
 the new values are copied into leanddp's buffers and ``state[p]`` points at them again, so the
 write counts and no memory is doubled. Detection compares, once per forward, the identity of
-each entry and its tensors with those handed out (no tensor is read); a value that cannot be
+each entry and its tensors with those handed out (no tensor is read, and while the state holds
+exactly what it held at the last forward, one pass over it in C); a value that cannot be
 adopted raises, naming the parameter and the key, before anything is copied.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 import torch
@@ -50,6 +52,9 @@ class StateView:
         self.offload = offload
         self.generation = -1
         self.given: list[tuple[dict[str, Any], tuple[Any, ...]] | None] = [None] * len(params)
+        # optimizer.state's entries and their values, in order, when it was last known to hold
+        # no replaced entry (mark()): while it still holds exactly these, nothing was replaced.
+        self.marked: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
 
     @property
     def state(self) -> dict[Any, dict[str, Any]]:
@@ -73,6 +78,27 @@ class StateView:
                     state[p] = entry
                     self.given[i] = (entry, tuple(entry.values()))
         self.generation = generation
+
+    def mark(self) -> None:
+        """Records ``optimizer.state`` as holding no replaced entry (just after an adopt and a
+        sync), for :meth:`unchanged`."""
+        entries = tuple(self.state.values())
+        try:
+            self.marked = (entries, tuple(chain.from_iterable(map(dict.values, entries))))
+        except TypeError:  # an entry that is not a dict: no fast path
+            self.marked = None
+
+    def unchanged(self) -> bool:
+        """Whether ``optimizer.state`` holds the same entries and values, by identity, as at the
+        last :meth:`mark` (C-level iteration only: no tensor hashing, no loop in Python)."""
+        if self.marked is None:
+            return False
+        entries, values = self.marked
+        state = self.state
+        if len(state) != len(entries) or not all(map(operator.is_, state.values(), entries)):
+            return False
+        now = tuple(chain.from_iterable(map(dict.values, entries)))
+        return len(now) == len(values) and all(map(operator.is_, now, values))
 
     def replaced(self) -> list[int]:
         """The fused parameters whose ``optimizer.state`` entry is not the one handed out: the
@@ -98,6 +124,8 @@ class StateView:
     def adopt(self, reducer: Any) -> bool:
         """Copies replaced entries into the fused state (all checked first: a value that cannot
         be adopted raises before any is copied). Returns whether any was."""
+        if self.unchanged():
+            return False
         indices = self.replaced()
         if not indices:
             return False

@@ -275,6 +275,8 @@ class InBackward:
         if self.kind:
             self.view.adopt(self.reducer)
         self.sync_state()
+        if self.kind:
+            self.view.mark()
 
     def sync_state(self) -> None:
         """Points ``optimizer.state`` at the fused state (after it was created or moved)."""
