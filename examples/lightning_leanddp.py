@@ -94,16 +94,6 @@ class LeanDDPStrategy(DDPStrategy):
         if not self._optimizer_in_backward:
             super().setup_optimizers(trainer)
 
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        """Loads the optimizer states. An in-backward optimizer's state stays where leanddp
-        steps it: Lightning would copy it to the root device (with offload_to_cpu, the whole
-        host-side state onto the GPU) into tensors leanddp does not step."""
-        if not self._optimizer_in_backward:
-            super().load_optimizer_state_dict(checkpoint)
-            return
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            optimizer.load_state_dict(state)
-
 
 # ------------------------------------------------------------------------------------------
 # the demo: a small regression MLP on random data

@@ -406,3 +406,54 @@ def _delete_in_flight(rank: int, world_size: int) -> None:
 
 def test_delete_wrapper_with_host_work_in_flight() -> None:
     run_ranks(2, _delete_in_flight)
+
+
+# ------------------------------------------------------------------------------------------
+# reading the parameters right after optimizer.step()
+
+
+class Wide(nn.Module):
+    """Enough weights that the host steps are still running when backward returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(12, 256), nn.Tanh(), nn.Linear(256, 256))
+        self.head = nn.Linear(256, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.layers(x)))
+
+
+def _read_after_step(rank: int, world_size: int) -> None:
+    run = InBackwardLockStep(
+        Wide(), OPTIMIZERS["adamw-groups"], offload=True, max_grad_norm=0.05, offload_threads=1
+    )
+    emas = [[p.detach().clone() for p in ddp.module.parameters()] for ddp in (run.ref, run.ours)]
+    for step in range(STEPS):
+        batches = [torch.randn(BATCH, 12) for _ in range(2)]  # one under no_sync
+        accumulate(run.ref, batches)
+        torch.nn.utils.clip_grad_norm_(run.ref.module.parameters(), 0.05)
+        run.ref_opt.step()
+        accumulate(run.ours, batches)
+        run.ours.optimizer.step()  # ours: makes the host steps' updates visible
+        # The loop's own reads, right after step(): a copy of the parameters and an EMA.
+        copies = []
+        for ddp, ema in zip((run.ref, run.ours), emas, strict=True):
+            with torch.no_grad():
+                params = list(ddp.module.parameters())
+                copies.append([p.detach().clone() for p in params])
+                torch._foreach_lerp_(ema, params, 0.1)
+        run.ref_opt.zero_grad()
+        run.ours.optimizer.zero_grad()
+        for s in run.scheds:
+            s.step()
+        for i, (a, b) in enumerate(zip(*copies, strict=True)):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"step {step} param {i}")
+        for i, (a, b) in enumerate(zip(*emas, strict=True)):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"step {step} EMA {i}")
+
+
+def test_parameters_are_current_after_optimizer_step() -> None:
+    """The loop torch's DDP users write (accumulation, clipping, an LR scheduler) reads the
+    parameters right after ``optimizer.step()``: it sees this step's host update."""
+    run_ranks(2, _read_after_step)

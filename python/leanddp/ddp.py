@@ -501,10 +501,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         """Makes the last step's updates visible to the caller: with ``offload_to_cpu`` the
         host waits until the host steps' updates are in the parameters and raises an error the
         host step met; with ``optimizer_in_backward`` on a GPU the current stream is ordered
-        after the steps (the host does not wait); otherwise a no-op. Forwards, ``state_dict()``
-        of the wrapped modules and ``self.optimizer``'s state do this by themselves, and on a GPU
-        the end of backward orders the stream that called it; call it before reading parameters
-        any other way between a backward and the next forward."""
+        after the steps (the host does not wait); otherwise a no-op. ``self.optimizer.step()``
+        does the same (so the parameters are current right after it, as after torch's step),
+        and forwards, ``state_dict()`` of the wrapped modules and ``self.optimizer``'s state wait
+        by themselves; on a GPU the end of backward orders the stream that called it. Call it
+        before reading parameters any other way between a backward and the next forward."""
         if self._in_backward is not None:
             self.reducer.wait_for_steps(host_too=self._config.offload_to_cpu)
 

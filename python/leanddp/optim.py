@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._optim_state import StateView
+
 _FUSED_KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
 
 
@@ -198,7 +200,6 @@ class InBackward:
         self.fused = [
             bool(self.kind) and p.dtype in _MASTER_DTYPES and layout_ok(p) for p in params
         ]
-        self._generation = -1
         self.loading = False  # inside optimizer.load_state_dict(): the state is the loaded one
         self.device = params[0].device
         if grad_scaler is not None:
@@ -209,6 +210,15 @@ class InBackward:
         # GradScaler: Adam's step counts live on the device (a skipped step is taken back there).
         on_device = on_device or self.scaler is not None
         self.step_device = str(params[0].device) if on_device and not offload else "cpu"
+        self.view = StateView(
+            optimizer,
+            self.kind,
+            params,
+            names or [str(i) for i in range(len(params))],
+            self.fused,
+            group_of,
+            offload,
+        )
         self.fallback = _FallbackStepper(optimizer, self.cls, params, group_of)
         _make_facade(optimizer, self)
         guard_clipping(params)
@@ -230,9 +240,17 @@ class InBackward:
             self.fallback,
             *self.offload,
         )
-        self._generation = -1
+        self.view.generation = -1
         if self.optimizer.__dict__["state"]:
             self.load_state()
+
+    def wait_for_steps(self) -> None:
+        """Makes the last backward's steps visible to the caller (``ddp.synchronize()``): with
+        offload_to_cpu the host waits for the host steps and raises an error one met; on a GPU
+        the current stream is ordered after the side stream's steps."""
+        reducer = self.reducer
+        if reducer is not None:
+            reducer.wait_for_steps(host_too=self.offload[0])
 
     def _hypers(self) -> list[dict[str, Any]]:
         device = None if self.offload[0] else self.device  # the host step takes numbers
@@ -240,7 +258,7 @@ class InBackward:
 
     def before_forward(self) -> None:
         """Makes the current hyper-parameters (and GradScaler's scale) the ones the next
-        in-backward steps use."""
+        in-backward steps use, and adopts optimizer state code replaced since the last one."""
         self.loading = False  # a load_state_dict that raised changed nothing
         if self.kind:
             self.reducer.set_optimizer_groups(self._hypers())
@@ -254,23 +272,18 @@ class InBackward:
             self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
             self.reducer.set_grad_scaler(scale, self.found_inf)
         self.optimizer._opt_called = True  # LR schedulers: the optimizer does step
+        if self.kind:
+            self.view.adopt(self.reducer)
         self.sync_state()
+        if self.kind:
+            self.view.mark()
 
     def sync_state(self) -> None:
         """Points ``optimizer.state`` at the fused state (after it was created or moved)."""
         reducer = self.reducer
         if reducer is None or not self.kind or self.loading:
             return
-        generation = reducer.optimizer_generation()
-        if generation == self._generation:
-            return
-        state = self.optimizer.__dict__["state"]
-        for i, p in enumerate(self.params):
-            if self.fused[i]:
-                entries = reducer.optimizer_state(i)
-                if entries:
-                    state[p] = dict(entries)
-        self._generation = generation
+        self.view.sync(reducer)
 
     def load_state(self) -> None:
         """Copies what ``optimizer.state`` holds for fused parameters into the fused state."""
@@ -279,28 +292,7 @@ class InBackward:
         if reducer is None or not self.kind:
             return
         reducer.set_optimizer_groups(self._hypers())  # the loaded groups (momentum on or off)
-        state = self.optimizer.__dict__["state"]
-        for i, p in enumerate(self.params):
-            if not self.fused[i]:
-                continue
-            entry = state.get(p, {})
-            if "master_weight" in entry and self.offload[0]:
-                reducer.load_master_weight(i, entry["master_weight"])
-            if self.kind == "adam":
-                if "step" in entry:
-                    values = [entry["exp_avg"], entry["exp_avg_sq"]]
-                    reducer.load_optimizer_state(i, int(float(entry["step"])), values)
-                else:
-                    reducer.load_optimizer_state(i, 0, [])
-                continue
-            buf = entry.get("momentum_buffer")
-            momentum = self.optimizer.param_groups[self.group_of[i]].get("momentum", 0)
-            if buf is not None and momentum != 0:
-                reducer.load_optimizer_state(i, 1, [buf])
-            else:
-                reducer.load_optimizer_state(i, 0, [])
-        self._generation = -1
-        self.sync_state()
+        self.view.load_all(reducer)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (fused buffers and fallback state alike)."""
@@ -420,8 +412,12 @@ def _base_class_of(cls: type) -> type:
 
 
 def _facade_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-    """Does nothing: with optimizer_in_backward every bucket is stepped inside backward. A
-    closure, if given, is evaluated (it runs forward and backward, which step).
+    """Steps nothing: with optimizer_in_backward every bucket is stepped inside backward. A
+    closure, if given, is evaluated (it runs forward and backward, which step). Then makes the
+    steps' updates visible, so that code reading the parameters after ``step()`` (an EMA, a
+    norm, a copy of ``parameters()``) sees them, as after torch's step: with offload_to_cpu the
+    host waits for the host steps and the copies back and raises an error a host step met; on
+    a GPU without it the current stream is ordered after the steps (the host does not wait).
 
     Called by ``GradScaler.step`` (which set ``self.found_inf``, this class advertising
     ``_step_supports_amp_scaling``): hands the scaler this iteration's device-side found_inf,
@@ -437,10 +433,14 @@ def _facade_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None 
             )
         state = scaler._per_optimizer_states[id(self)]
         state["found_inf_per_device"] = {link.found_inf.device: link.found_inf}
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
+    result = None
+    if closure is not None:
+        with torch.enable_grad():
+            result = closure()
+    link = self.__dict__.get("_leanddp_link")
+    if link is not None:
+        link.wait_for_steps()
+    return result
 
 
 def _facade_add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:

@@ -1,0 +1,217 @@
+"""optimizer_in_backward: the fused state seen as ``optimizer.state``, and writes to it.
+
+The fused kernels keep a parameter's optimizer state in leanddp's own buffers (flat per-bucket
+buffers on the device, or host buffers with offload_to_cpu); ``optimizer.state[p]`` holds
+views of them (:class:`StateView`). Code may also *replace* what it holds, as it may with a
+plain torch optimizer: Lightning moves a loaded state to the root device with
+``optimizer.state[p] = {k: v.to(device) ...}`` or ``state[p][k] = v.to(device)``, and user code
+writes ``state[p]["exp_avg"] = t``. Such a write is adopted before the next in-backward step:
+the new values are copied into leanddp's buffers and ``state[p]`` points at them again, so the
+write counts and no memory is doubled. Detection compares, once per forward, the identity of
+each entry and its tensors with those handed out (no tensor is read, and while the state holds
+exactly what it held at the last forward, one pass over it in C); a value that cannot be
+adopted raises, naming the parameter and the key, before anything is copied.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+_ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+class StateView:
+    """Points ``optimizer.state`` at the fused state and adopts what code wrote there instead.
+
+    ``given[i]``: the entry (a dict) last put into ``optimizer.state`` for parameter ``i`` and
+    its values, or None where none was (no state yet). Changes whenever the entries are
+    rebuilt (:meth:`sync`), which happens when the reducer's optimizer generation changes."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        kind: str,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        fused: Sequence[bool],
+        group_of: Sequence[int],
+        offload: bool,
+    ) -> None:
+        self.optimizer = optimizer
+        self.kind = kind
+        self.params = params
+        self.names = names
+        self.fused = fused
+        self.group_of = group_of
+        self.offload = offload
+        self.generation = -1
+        self.given: list[tuple[dict[str, Any], tuple[Any, ...]] | None] = [None] * len(params)
+        # optimizer.state's entries and their values, in order, when it was last known to hold
+        # no replaced entry (mark()): while it still holds exactly these, nothing was replaced.
+        self.marked: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
+
+    @property
+    def state(self) -> dict[Any, dict[str, Any]]:
+        return self.optimizer.__dict__["state"]
+
+    def sync(self, reducer: Any, adopt: bool = True) -> None:
+        """Re-points the entries at the fused state if it was created, moved or loaded since the
+        last call (a replaced entry is adopted first, ``adopt``: its values would be lost)."""
+        generation = reducer.optimizer_generation()
+        if generation == self.generation:
+            return
+        if adopt:
+            self.adopt(reducer)
+            generation = reducer.optimizer_generation()
+        state = self.state
+        for i, p in enumerate(self.params):
+            if self.fused[i]:
+                entries = reducer.optimizer_state(i)
+                if entries:
+                    entry = dict(entries)
+                    state[p] = entry
+                    self.given[i] = (entry, tuple(entry.values()))
+        self.generation = generation
+
+    def mark(self) -> None:
+        """Records ``optimizer.state`` as holding no replaced entry (just after an adopt and a
+        sync), for :meth:`unchanged`."""
+        entries = tuple(self.state.values())
+        try:
+            self.marked = (entries, tuple(chain.from_iterable(map(dict.values, entries))))
+        except TypeError:  # an entry that is not a dict: no fast path
+            self.marked = None
+
+    def unchanged(self) -> bool:
+        """Whether ``optimizer.state`` holds the same entries and values, by identity, as at the
+        last :meth:`mark` (C-level iteration only: no tensor hashing, no loop in Python)."""
+        if self.marked is None:
+            return False
+        entries, values = self.marked
+        state = self.state
+        if len(state) != len(entries) or not all(map(operator.is_, state.values(), entries)):
+            return False
+        now = tuple(chain.from_iterable(map(dict.values, entries)))
+        return len(now) == len(values) and all(map(operator.is_, now, values))
+
+    def replaced(self) -> list[int]:
+        """The fused parameters whose ``optimizer.state`` entry is not the one handed out: the
+        dict replaced, or a key of it replaced, added or removed (identity checks only)."""
+        state = self.state
+        out = []
+        for i, p in enumerate(self.params):
+            if not self.fused[i]:
+                continue
+            entry = state.get(p)
+            given = self.given[i]
+            if given is None:
+                if entry:  # written where leanddp had no state yet
+                    out.append(i)
+            elif (
+                entry is not given[0]
+                or len(entry) != len(given[1])
+                or not all(map(operator.is_, entry.values(), given[1]))
+            ):
+                out.append(i)
+        return out
+
+    def adopt(self, reducer: Any) -> bool:
+        """Copies replaced entries into the fused state (all checked first: a value that cannot
+        be adopted raises before any is copied). Returns whether any was."""
+        if self.unchanged():
+            return False
+        indices = self.replaced()
+        if not indices:
+            return False
+        state = self.state
+        for i in indices:
+            self.check(i, state.get(self.params[i]) or {})
+        for i in indices:
+            entry = state.get(self.params[i])
+            self.load(reducer, i, entry or {})
+            # (re-pointed by the next sync where the fused state exists; else it stays this one)
+            self.given[i] = None if entry is None else (entry, tuple(entry.values()))
+        return True
+
+    def load_all(self, reducer: Any) -> None:
+        """Copies what ``optimizer.state`` holds for every fused parameter into the fused state
+        (after ``load_state_dict``) and points the entries at it."""
+        state = self.state
+        indices = [i for i, f in enumerate(self.fused) if f]
+        for i in indices:
+            self.check(i, state.get(self.params[i], {}))
+        for i in indices:
+            self.load(reducer, i, state.get(self.params[i], {}))
+        self.generation = -1
+        self.sync(reducer, adopt=False)
+
+    def _fail(self, i: int, key: str, message: str) -> None:
+        raise ValueError(
+            f"leanddp.DistributedDataParallel: optimizer_in_backward: optimizer.state of "
+            f"parameter {self.names[i]!r}, key {key!r}: {message}"
+        )
+
+    def check(self, i: int, entry: dict[str, Any]) -> None:
+        """Raises a ValueError naming the parameter and the key where ``entry`` cannot become
+        parameter ``i``'s fused state."""
+        p = self.params[i]
+        tensors = []
+        if self.kind == "adam":
+            if any(key in entry for key in _ADAM_KEYS):
+                for key in _ADAM_KEYS:
+                    if key not in entry:
+                        self._fail(i, key, f"missing (an Adam state holds {', '.join(_ADAM_KEYS)})")
+                step = entry["step"]
+                try:
+                    count = float(step)
+                except (TypeError, ValueError, RuntimeError):
+                    self._fail(i, "step", f"expected a number or one-element tensor, got {step!r}")
+                if count < 0 or count != int(count):
+                    self._fail(i, "step", f"expected a non-negative whole number, got {count}")
+                tensors = ["exp_avg", "exp_avg_sq"]
+        elif self._momentum(i) != 0 and entry.get("momentum_buffer") is not None:
+            tensors = ["momentum_buffer"]
+        if self.offload and "master_weight" in entry:
+            tensors.append("master_weight")
+        for key in tensors:
+            value = entry[key]
+            if not isinstance(value, Tensor):
+                self._fail(i, key, f"expected a tensor, got {type(value).__name__}")
+            if value.shape != p.shape:
+                shapes = f"{tuple(value.shape)}, the parameter's {tuple(p.shape)}"
+                self._fail(i, key, f"shape {shapes}: they must be equal")
+            if not value.is_floating_point():
+                self._fail(i, key, f"expected a floating-point tensor, got {value.dtype}")
+
+    def load(self, reducer: Any, i: int, entry: dict[str, Any]) -> None:
+        """Copies ``entry`` (checked) into parameter ``i``'s fused state; an empty entry resets it,
+        as a plain torch optimizer starts over from an empty ``state[p]``."""
+        if "master_weight" in entry and self.offload:
+            reducer.load_master_weight(i, entry["master_weight"])
+        if self.kind == "adam":
+            if any(key in entry for key in _ADAM_KEYS):
+                values = [entry["exp_avg"], entry["exp_avg_sq"]]
+                reducer.load_optimizer_state(i, int(float(entry["step"])), values)
+                return
+            # Starting over: the first step reads the moments as zeros, so the values held so
+            # far must not survive in leanddp's buffers (a count of 0 alone keeps them).
+            held = dict(reducer.optimizer_state(i))
+            if "exp_avg" in held:
+                zeros = [torch.zeros_like(held["exp_avg"]), torch.zeros_like(held["exp_avg_sq"])]
+                reducer.load_optimizer_state(i, 1, zeros)
+            reducer.load_optimizer_state(i, 0, [])
+            return
+        buf = entry.get("momentum_buffer")
+        if buf is not None and self._momentum(i) != 0:
+            reducer.load_optimizer_state(i, 1, [buf])
+        else:
+            reducer.load_optimizer_state(i, 0, [])
+
+    def _momentum(self, i: int) -> float:
+        return self.optimizer.param_groups[self.group_of[i]].get("momentum", 0)
