@@ -170,7 +170,8 @@ void bind_reducer(py::module_& m) {
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        const py::object& process_group, std::vector<int64_t> caps_bytes,
                        bool gradient_as_bucket_view, bool find_unused_parameters, bool static_graph,
-                       bool step_in_backward, int nan_check, std::vector<bool> expect_sparse) {
+                       bool step_in_backward, int nan_check, std::vector<bool> expect_sparse,
+                       std::vector<int64_t> initial_caps_bytes) {
              TORCH_CHECK(nan_check >= 0 && nan_check <= 2, "Reducer: nan_check must be 0, 1 or 2");
              auto pg = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
              leanddp::ReducerOptions options;
@@ -181,6 +182,7 @@ void bind_reducer(py::module_& m) {
              options.step_in_backward = step_in_backward;
              options.nan_check = static_cast<leanddp::NanCheck>(nan_check);
              options.expect_sparse = std::move(expect_sparse);
+             options.initial_caps_bytes = std::move(initial_caps_bytes);
              py::gil_scoped_release no_gil;
              return std::make_unique<Reducer>(std::move(params), std::move(names), std::move(pg),
                                               std::move(options));
@@ -188,7 +190,8 @@ void bind_reducer(py::module_& m) {
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("caps_bytes"),
            py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"),
            py::arg("static_graph"), py::arg("step_in_backward") = false, py::arg("nan_check") = 0,
-           py::arg("expect_sparse") = std::vector<bool>{})
+           py::arg("expect_sparse") = std::vector<bool>{},
+           py::arg("initial_caps_bytes") = std::vector<int64_t>{})
       .def("prepare_for_forward", &Reducer::prepare_for_forward,
            py::call_guard<py::gil_scoped_release>())
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
