@@ -10,6 +10,7 @@
 #include <torch/version.h>
 
 #include <functional>
+#include <future>
 #include <map>
 #include <mutex>
 #include <set>
@@ -279,6 +280,32 @@ void bind_reducer(py::module_& m) {
       .def("num_iterations", &Reducer::num_iterations, py::call_guard<py::gil_scoped_release>());
 }
 
+// For tests: a HostOffload over one CPU parameter whose worker thread drops the last reference to
+// it, so that its destructor (and shutdown()) run on the worker itself. Returns whether the
+// destructor ran on another thread than the caller's, after it completed.
+bool offload_released_on_worker() {
+  at::Tensor param = at::zeros({4});
+  std::vector<at::Tensor> params{param};
+  auto fused = std::make_unique<leanddp::FusedOptimizer>(
+      leanddp::OptimKind::kSgd, params, std::vector<int64_t>{0},
+      std::vector<leanddp::OptimHyper>(1), c10::Device(c10::kCPU), /*on_host=*/true);
+  std::promise<std::thread::id> destroyed;
+  std::future<std::thread::id> destroyed_on = destroyed.get_future();
+  std::shared_ptr<leanddp::HostOffload> owner(
+      new leanddp::HostOffload(params, std::move(fused), leanddp::OffloadOptions{}),
+      [&destroyed](leanddp::HostOffload* offload) {
+        delete offload;
+        destroyed.set_value(std::this_thread::get_id());
+      });
+  std::promise<void> released;
+  std::shared_future<void> caller_released = released.get_future().share();
+  // The task holds a reference until the worker drops the finished job, after ours is gone.
+  owner->post([keep = owner, caller_released] { caller_released.wait(); });
+  owner.reset();
+  released.set_value();
+  return destroyed_on.get() != std::this_thread::get_id();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -299,6 +326,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return info;
       },
       "How this extension was built: torch version, CUDA kernels, CPU instruction set in use.");
+  m.def("_offload_released_on_worker", &offload_released_on_worker,
+        py::call_guard<py::gil_scoped_release>(),
+        "Test hook: an offload worker that drops the last reference to its owner (its "
+        "destructor runs on the worker thread); True once it completed there.");
   m.def(
       "_parallel_threads",
       [] {
