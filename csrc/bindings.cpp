@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <functional>
+#include <future>
 #include <map>
 #include <mutex>
 #include <set>
@@ -192,7 +193,8 @@ void bind_reducer(py::module_& m) {
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        const py::object& process_group, std::vector<int64_t> caps_bytes,
                        bool gradient_as_bucket_view, bool find_unused_parameters, bool static_graph,
-                       bool step_in_backward, int nan_check, std::vector<bool> expect_sparse) {
+                       bool step_in_backward, int nan_check, std::vector<bool> expect_sparse,
+                       std::vector<int64_t> initial_caps_bytes) {
              TORCH_CHECK(nan_check >= 0 && nan_check <= 2, "Reducer: nan_check must be 0, 1 or 2");
              auto pg = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
              leanddp::ReducerOptions options;
@@ -203,6 +205,7 @@ void bind_reducer(py::module_& m) {
              options.step_in_backward = step_in_backward;
              options.nan_check = static_cast<leanddp::NanCheck>(nan_check);
              options.expect_sparse = std::move(expect_sparse);
+             options.initial_caps_bytes = std::move(initial_caps_bytes);
              py::gil_scoped_release no_gil;
              return std::make_unique<Reducer>(std::move(params), std::move(names), std::move(pg),
                                               std::move(options));
@@ -210,7 +213,8 @@ void bind_reducer(py::module_& m) {
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("caps_bytes"),
            py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"),
            py::arg("static_graph"), py::arg("step_in_backward") = false, py::arg("nan_check") = 0,
-           py::arg("expect_sparse") = std::vector<bool>{})
+           py::arg("expect_sparse") = std::vector<bool>{},
+           py::arg("initial_caps_bytes") = std::vector<int64_t>{})
       .def("prepare_for_forward", &Reducer::prepare_for_forward,
            py::call_guard<py::gil_scoped_release>())
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
@@ -317,6 +321,32 @@ void bind_reducer(py::module_& m) {
       });
 }
 
+// For tests: a HostOffload over one CPU parameter whose worker thread drops the last reference to
+// it, so that its destructor (and shutdown()) run on the worker itself. Returns whether the
+// destructor ran on another thread than the caller's, after it completed.
+bool offload_released_on_worker() {
+  at::Tensor param = at::zeros({4});
+  std::vector<at::Tensor> params{param};
+  auto fused = std::make_unique<leanddp::FusedOptimizer>(
+      leanddp::OptimKind::kSgd, params, std::vector<int64_t>{0},
+      std::vector<leanddp::OptimHyper>(1), c10::Device(c10::kCPU), /*on_host=*/true);
+  std::promise<std::thread::id> destroyed;
+  std::future<std::thread::id> destroyed_on = destroyed.get_future();
+  std::shared_ptr<leanddp::HostOffload> owner(
+      new leanddp::HostOffload(params, std::move(fused), leanddp::OffloadOptions{}),
+      [&destroyed](leanddp::HostOffload* offload) {
+        delete offload;
+        destroyed.set_value(std::this_thread::get_id());
+      });
+  std::promise<void> released;
+  std::shared_future<void> caller_released = released.get_future().share();
+  // The task holds a reference until the worker drops the finished job, after ours is gone.
+  owner->post([keep = owner, caller_released] { caller_released.wait(); });
+  owner.reset();
+  released.set_value();
+  return destroyed_on.get() != std::this_thread::get_id();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -340,6 +370,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return info;
       },
       "How this extension was built: torch version, CUDA kernels, CPU instruction set in use.");
+  m.def("_offload_released_on_worker", &offload_released_on_worker,
+        py::call_guard<py::gil_scoped_release>(),
+        "Test hook: an offload worker that drops the last reference to its owner (its "
+        "destructor runs on the worker thread); True once it completed there.");
   m.def(
       "_parallel_threads",
       [] {

@@ -54,7 +54,7 @@ HostOffload::HostOffload(std::vector<at::Tensor> params, std::unique_ptr<FusedOp
   masters_.resize(n);
   versions_.assign(n, 0);
   location_.assign(n, {SIZE_MAX, 0});
-  worker_ = std::thread([this] { run_worker(); });
+  worker_ = std::thread([this, sync = sync_] { run_worker(sync); });
 }
 
 HostOffload::~HostOffload() { shutdown(); }
@@ -62,15 +62,33 @@ HostOffload::~HostOffload() { shutdown(); }
 void HostOffload::shutdown() {
   const bool on_worker = worker_.get_id() == std::this_thread::get_id();
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(sync_->mu);
     // The wrapper may be collected right after a backward (a framework's teardown): its queued
-    // host steps still land in the parameters.
-    if (!on_worker) cv_.wait(lock, [&] { return stop_ || (queue_.empty() && !busy_); });
-    stop_ = true;
+    // host steps still land in the parameters. (On the worker, nothing else can run them.)
+    if (!on_worker) {
+      sync_->cv.wait(lock, [&] { return sync_->stop || (queue_.empty() && !sync_->busy); });
+    }
+    sync_->stop = true;
     queue_.clear();
   }
-  cv_.notify_all();
-  if (worker_.joinable() && !on_worker) worker_.join();
+  sync_->cv.notify_all();
+  if (!worker_.joinable()) return;
+  if (on_worker) {
+    worker_.detach();  // (see the header) destroying a joinable std::thread would terminate
+  } else {
+    worker_.join();
+  }
+}
+
+void HostOffload::post(std::function<void()> task) {
+  Job job;
+  job.task = std::move(task);
+  {
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    if (sync_->stop) return;
+    queue_.push_back(std::move(job));
+  }
+  sync_->cv.notify_all();
 }
 
 void HostOffload::set_layout(const std::vector<Bucket>& buckets) {
@@ -93,8 +111,8 @@ void HostOffload::set_layout(const std::vector<Bucket>& buckets) {
 
 void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<char>& mask) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stop_ || error_) return;  // dropped: the error surfaces at the next wait()
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    if (sync_->stop || error_) return;  // dropped: the error surfaces at the next wait()
   }
   TORCH_CHECK(index < layout_.size() && layout_[index].numel == bucket.numel,
               "HostOffload: bucket ", index, " does not match the layout it was given");
@@ -125,30 +143,30 @@ void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<c
   }
   if (on_gpu_) job.copied = events_->record(*d2h_stream_);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(sync_->mu);
     queue_.push_back(std::move(job));
   }
-  cv_.notify_all();
+  sync_->cv.notify_all();
 }
 
 void HostOffload::end_iteration(bool completed) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stop_ || error_) return;
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    if (sync_->stop || error_) return;
     Job marker;
     marker.end = true;
     marker.completed = completed;
     queue_.push_back(std::move(marker));
   }
-  cv_.notify_all();
+  sync_->cv.notify_all();
 }
 
 void HostOffload::wait(bool host_too) {
   const auto start = std::chrono::steady_clock::now();
   std::exception_ptr error;
   {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+    std::unique_lock<std::mutex> lock(sync_->mu);
+    sync_->cv.wait(lock, [&] { return queue_.empty() && !sync_->busy; });
     stats_.wait_seconds += seconds_since(start);
     std::swap(error, error_);
   }
@@ -160,20 +178,20 @@ void HostOffload::wait(bool host_too) {
   if (error) std::rethrow_exception(error);
 }
 
-void HostOffload::run_worker() {
+void HostOffload::run_worker(const std::shared_ptr<Sync>& sync) {
   // The step kernels use at::parallel_for, an OpenMP team sized by this thread's own setting.
   at::internal::lazy_init_num_threads();
 #ifdef _OPENMP
   omp_set_num_threads(options_.threads);
 #endif
   at::NoGradGuard no_grad;
-  std::unique_lock<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(sync->mu);
   while (true) {
-    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-    if (stop_) return;
+    sync->cv.wait(lock, [&] { return sync->stop || !queue_.empty(); });
+    if (sync->stop) return;
     Job job = std::move(queue_.front());
     queue_.pop_front();
-    busy_ = true;
+    sync->busy = true;
     lock.unlock();
     const auto start = std::chrono::steady_clock::now();
     std::exception_ptr error;
@@ -187,9 +205,13 @@ void HostOffload::run_worker() {
     } catch (...) {
       error = std::current_exception();
     }
-    job = Job();  // drop the references before publishing
+    // Drops the job's references before publishing. The last reference to this object may go
+    // with them (shutdown() then ran on this thread): from here on only `sync` is touched until
+    // `stop` is known to be unset.
+    job = Job();
     lock.lock();
-    busy_ = false;
+    if (sync->stop) return;
+    sync->busy = false;
     stats_.step_seconds += seconds_since(start);
     if (error) {
       error_ = error;
@@ -197,11 +219,15 @@ void HostOffload::run_worker() {
       held_.clear();
       sum_squares_ = 0;
     }
-    cv_.notify_all();
+    sync->cv.notify_all();
   }
 }
 
 void HostOffload::process(Job& job) {
+  if (job.task) {
+    job.task();
+    return;
+  }
   if (job.end) {
     finish_iteration(job.completed);
     return;
@@ -231,7 +257,7 @@ void HostOffload::finish_iteration(bool completed) {
     coef = clip_coefficient(grad_norm, *options_.max_grad_norm);
   }
   for (const Job& job : held) step_job(job, coef);
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(sync_->mu);
   ++stats_.iterations;
   stats_.grad_norm = grad_norm;
 }
@@ -258,7 +284,7 @@ void HostOffload::step_job(const Job& job, std::optional<double> grad_scale) {
   }
   optimizer_->step(job.index, layout, job.mask, targets);
   copy_back(job, weights);
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(sync_->mu);
   ++stats_.buckets;
 }
 
@@ -363,7 +389,7 @@ at::Tensor& HostOffload::ensure_weights(size_t b) {
 OffloadStats HostOffload::stats() const {
   OffloadStats out;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(sync_->mu);
     out = stats_;
   }
   const auto count = [&](const at::Tensor& t, int64_t& category) {

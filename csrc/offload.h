@@ -35,7 +35,7 @@
 // machine the same pipeline runs, with synchronous copies.
 //
 // Threading: submit(), end_iteration() and the accessors run on the Reducer's threads with the
-// Reducer's lock held; the worker never takes that lock. `mu_` guards the queue and the
+// Reducer's lock held; the worker never takes that lock. `sync_->mu` guards the queue and the
 // worker's results. The optimizer, masters and host buffers are touched by the worker only
 // while jobs are queued or running, and by the other methods only after wait() (or before the
 // first job of an iteration, for the buffers and masters of a submitted bucket).
@@ -52,6 +52,7 @@
 #include <condition_variable>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -85,6 +86,7 @@ class HostOffload {
               OffloadOptions options);
   // Stops the worker after the jobs already queued (the updates of a finished backward: dropping
   // them would lose a step), then joins it. Buckets held for an unfinished iteration are dropped.
+  // Safe on any thread, including the worker itself (see shutdown()).
   ~HostOffload();
   HostOffload(const HostOffload&) = delete;
   HostOffload& operator=(const HostOffload&) = delete;
@@ -108,8 +110,17 @@ class HostOffload {
   // The buckets were rebuilt (worker idle): state and float32 masters move to the new layout,
   // the other host buffers are dropped.
   void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);
-  // Stops the worker for good (see the destructor); later submits are dropped.
+  // Stops the worker for good (see the destructor); later submits are dropped. Idempotent.
+  // Called on the worker thread itself (the last reference to the owner dropped by something
+  // the worker released, e.g. a job's tensors), it cannot join: it detaches the thread instead.
+  // Detaching is safe because the worker touches nothing of this object after it drops a job:
+  // it re-takes only `sync_` (which it co-owns), sees `stop`, and returns. A join deferred to
+  // some other thread would need an owner that outlives this object, which nothing provides.
+  // A detached worker ends within the job it is in; the process never waits for it.
   void shutdown();
+  // Runs `task` on the worker after the jobs queued before it (no step, no copy). Used by tests
+  // to drop the last reference to this object on the worker thread.
+  void post(std::function<void()> task);
   // From now on (before the first submit) steps wait for end_iteration(), as with clipping.
   void hold_steps() { hold_ = true; }
 
@@ -129,11 +140,12 @@ class HostOffload {
     size_t index = 0;
     Bucket layout;  // params/offsets/numel (no storage)
     std::vector<char> mask;
-    std::vector<char> refresh;  // low-precision slots whose master is read from `weights` first
-    at::Tensor grads;           // the gradients, on the host
-    EventPool::Handle copied;   // GPU: the copies to the host are done
-    bool end = false;           // marks the end of an iteration
-    bool completed = true;      // (end) false: the iteration was abandoned
+    std::vector<char> refresh;   // low-precision slots whose master is read from `weights` first
+    at::Tensor grads;            // the gradients, on the host
+    EventPool::Handle copied;    // GPU: the copies to the host are done
+    std::function<void()> task;  // post(): run instead of a step
+    bool end = false;            // marks the end of an iteration
+    bool completed = true;       // (end) false: the iteration was abandoned
   };
   // One bucket's host buffers (see the top of this file), allocated at its first submit.
   struct HostBucket {
@@ -142,7 +154,16 @@ class HostOffload {
     at::Tensor masters;  // bf16/fp16 buckets: float32, ordinary memory
   };
 
-  void run_worker();
+  // The synchronization the worker shares with its owner: co-owned by the worker thread, so it
+  // outlives this object if the worker is the one destroying it (see shutdown()).
+  struct Sync {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool busy = false;  // the worker is processing a job (queue_ guarded by mu too)
+    bool stop = false;  // shutdown() was called: the worker returns at its next look
+  };
+
+  void run_worker(const std::shared_ptr<Sync>& sync);
   void process(Job& job);
   void step_job(const Job& job, std::optional<double> grad_scale);
   // The updated `weights` of the job's bucket into the parameters of the slots it stepped.
@@ -183,12 +204,9 @@ class HostOffload {
   std::vector<uint32_t> versions_;
   int64_t generation_ = 0;  // changes when a master appears or is loaded
 
-  // The worker's queue and results, guarded by mu_.
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
+  // The worker's queue and results, guarded by sync_->mu.
+  std::shared_ptr<Sync> sync_ = std::make_shared<Sync>();
   std::deque<Job> queue_;
-  bool busy_ = false;
-  bool stop_ = false;
   std::exception_ptr error_;
   OffloadStats stats_;      // counters (the byte counts are filled in by stats())
   std::vector<Job> held_;   // clipping: stepped once the norm is known

@@ -63,9 +63,20 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   }
   const size_t n = params_.size();
   grad_was_view_.assign(n, 0);
+  view_since_sync_.assign(n, 0);
+  // The layout before the first rebuild is torch's DDP's, for the same bits on any world size
+  // (gloo's ring sums each element in an order set by its position in its bucket): buckets
+  // filled in registration order (each one's parameters in that order), launched from the one
+  // holding the last-registered parameters, whose gradients come first.
   std::vector<int64_t> order(n);
-  for (size_t i = 0; i < n; ++i) order[i] = static_cast<int64_t>(n - 1 - i);
-  build_buckets(assign_buckets(params_, order, options_.caps_bytes, options_.expect_sparse));
+  for (size_t i = 0; i < n; ++i) order[i] = static_cast<int64_t>(i);
+  auto assignment = assign_buckets(
+      params_, order,
+      options_.initial_caps_bytes.empty() ? options_.caps_bytes : options_.initial_caps_bytes,
+      options_.expect_sparse);
+  std::sort(assignment.begin(), assignment.end(),
+            [](const auto& a, const auto& b) { return a.front() > b.front(); });
+  build_buckets(assignment);
   reset_iteration_state();
   local_used_.assign(n, 0);
   for (size_t i = 0; i < n; ++i) {
@@ -118,6 +129,7 @@ void Reducer::release(size_t bucket_index) {
   for (int64_t p : bucket.params) {
     params_[static_cast<size_t>(p)].mutable_grad().reset();
     grad_was_view_[static_cast<size_t>(p)] = 0;
+    view_since_sync_[static_cast<size_t>(p)] = 0;
   }
   if (!bucket.allocated()) return;
   allocated_bytes_ -= static_cast<int64_t>(bucket.flat.nbytes());
@@ -175,6 +187,7 @@ std::vector<std::string> Reducer::prepare_for_forward() {
     if (!buckets_[b].allocated() || !is_view(grad, buckets_[b].views[s])) {
       replaced.push_back(names_[i]);
       grad_was_view_[i] = 0;
+      view_since_sync_[i] = 0;
     }
   }
   return replaced;
@@ -187,7 +200,11 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   armed_ = true;
   peak_bucket_bytes_ = allocated_bytes_;
   max_in_flight_ = 0;
-  recording_order_ = should_rebuild() && ready_order_.empty();
+  // As torch's DDP: a static graph's buckets are rebuilt from the order of its second iteration
+  // (the first one's gradients are reduced together at its end), so both keep the first layout
+  // for two iterations, for the same bits.
+  recording_order_ =
+      should_rebuild() && ready_order_.empty() && !(options_.static_graph && iterations_ == 0);
   timer_.mark(IterationTimer::kBackwardComputeStart);
   if (options_.static_graph) {
     if (iterations_ > 0) unused_ = static_unused_;
@@ -239,6 +256,7 @@ void Reducer::autograd_hook(size_t index) {
       view.copy_(grad);
       grad = view;
       grad_was_view_[index] = 1;
+      view_since_sync_[index] = 0;  // torch's gradient would be this copy, not its bucket
     }
     return;
   }
@@ -259,12 +277,14 @@ void Reducer::autograd_hook(size_t index) {
               "torch.utils.checkpoint.checkpoint(..., use_reentrant=False).");
   local_used_[index] = 1;
   timer_.ready(static_cast<int64_t>(index));  // (hooks only, as torch's order: not the unused)
+  // The order of gradients that arrived (not of parameters marked ready without one), as
+  // torch's DDP records it for the rebuild.
+  if (recording_order_) ready_order_.push_back(static_cast<int64_t>(index));
   mark_ready(index);
 }
 
 void Reducer::mark_ready(size_t index) {
   ready_[index] = 1;
-  if (recording_order_) ready_order_.push_back(static_cast<int64_t>(index));
   const auto [b, s] = location_[index];
   Bucket& bucket = buckets_[b];
   const at::Tensor& grad = params_[index].grad();
@@ -324,8 +344,35 @@ void Reducer::launch(size_t bucket_index) {
     // it has the view's strides, e.g. channels_last).
     sources.push_back(src.defined() ? in_memory_order_of(src, bucket.views[s]) : bucket.views[s]);
   }
-  // One pass: copy what is not in place yet and divide by the world size.
-  if (copies || scale) flatten_into(sources, bucket.flat, scale);
+  // Average as torch's reducer does, for the same bits: a gradient copied in is multiplied by
+  // 1/world (at::mul_out in the copy), one a synchronized backward left in place is divided by
+  // the world size (div_). In one pass unless a slot divides.
+  bool divides = false;
+  bool all_divide = true;
+  for (size_t s = 0; s < bucket.params.size() && scale; ++s) {
+    const auto p = static_cast<size_t>(bucket.params[s]);
+    const bool d = !sources_[p].defined() && view_since_sync_[p];
+    divides = divides || d;
+    all_divide = all_divide && d;
+  }
+  if (!divides) {
+    if (copies || scale) flatten_into(sources, bucket.flat, scale);
+  } else {
+    if (copies) flatten_into(sources, bucket.flat, std::nullopt);
+    if (all_divide) {
+      bucket.flat.div_(div_factor_);  // the views tile the flat buffer
+    } else {
+      for (size_t s = 0; s < bucket.params.size(); ++s) {
+        const at::Tensor& view = bucket.views[s];
+        if (!sources_[static_cast<size_t>(bucket.params[s])].defined() &&
+            view_since_sync_[static_cast<size_t>(bucket.params[s])]) {
+          view.div_(div_factor_);
+        } else {
+          view.mul_(*scale);
+        }
+      }
+    }
+  }
   for (size_t s = 0; s < bucket.params.size(); ++s) {
     const auto p = static_cast<size_t>(bucket.params[s]);
     if (sources_[p].defined() && options_.step_in_backward) {
@@ -334,6 +381,7 @@ void Reducer::launch(size_t bucket_index) {
       params_[p].mutable_grad() = bucket.views[s];
       grad_was_view_[p] = 1;
     }
+    if (options_.gradient_as_bucket_view && !options_.step_in_backward) view_since_sync_[p] = 1;
     sources_[p] = at::Tensor();
   }
   if (comm_hook_) {
@@ -493,6 +541,7 @@ void Reducer::write_reduced_grads(size_t bucket_index, const std::vector<int32_t
         grad = bucket.views[s];
         grad_was_view_[p] = 1;
       }
+      view_since_sync_[p] = 1;
     }
     return;
   }
@@ -531,8 +580,8 @@ bool Reducer::rebuild_buckets() {
     if (!seen[static_cast<size_t>(i)]) order.push_back(i);
     seen[static_cast<size_t>(i)] = 1;
   }
-  for (size_t k = 0; k < n; ++k) {
-    const size_t i = n - 1 - k;
+  // Parameters without a gradient in that backward go last, in registration order (torch's).
+  for (size_t i = 0; i < n; ++i) {
     if (!seen[i]) order.push_back(static_cast<int64_t>(i));
   }
   // Every rank adopts rank 0's order, so every rank launches the same buckets in the same order.
@@ -570,6 +619,7 @@ bool Reducer::rebuild_buckets() {
       buckets_[b].views[s].copy_(grad);
       grad = buckets_[b].views[s];
       grad_was_view_[i] = 1;
+      view_since_sync_[i] = 1;
     }
   }
   reset_iteration_state();

@@ -66,6 +66,11 @@ enum class NanCheck { kOff = 0, kOn = 1, kStrict = 2 };
 struct ReducerOptions {
   // Byte caps of consecutive buckets per (device, dtype); the last one repeats.
   std::vector<int64_t> caps_bytes{kFirstBucketCapBytes, 25 * (int64_t{1} << 20)};
+  // The caps of the layout before the first rebuild (empty: caps_bytes). torch's DDP puts every
+  // parameter of a (device, dtype) in one bucket then, unless find_unused_parameters without
+  // static_graph (or per-bucket caps) keep the caps: its layout decides the order of gloo's
+  // additions on three or more ranks, so ours follows it (see the constructor).
+  std::vector<int64_t> initial_caps_bytes;
   // param.grad becomes a view into its bucket (else gradients are copied in and out).
   bool gradient_as_bucket_view = true;
   // Each synchronized backward finds the parameters its outputs do not reach and reports
@@ -304,7 +309,9 @@ class Reducer {
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> location_;  // param -> (bucket, slot)
   bool has_rebuilt_ = false;
-  std::vector<int64_t> ready_order_;  // first synchronized backward's readiness order
+  // The order in which gradients arrived in the backward the rebuild learns from (the first
+  // synchronized one; a static graph's second), each parameter once.
+  std::vector<int64_t> ready_order_;
   std::unique_ptr<CommHook> comm_hook_;
   std::unique_ptr<FusedOptimizer> fused_;           // optimizer_in_backward, fused buckets
   std::unique_ptr<BucketStepper> fallback_;         // optimizer_in_backward, the other buckets
@@ -362,6 +369,11 @@ class Reducer {
   std::vector<int32_t> static_used_;    // static graph: used on any rank in the first iteration
   std::vector<char> grad_was_view_;     // we set param.grad to its bucket view
   IterationTimer timer_;                // sampled iterations' moments (torch's logging data)
+  // Per parameter: param.grad is its bucket view since a synchronized backward (or a rebuild)
+  // left it so, not since a no_sync() backward put it there. torch's reducer finds such a
+  // gradient aliasing its bucket and divides it in place by the world size; any other gradient
+  // it multiplies by 1/world while copying it in. launch() does the same, for the same bits.
+  std::vector<char> view_since_sync_;
 };
 
 }  // namespace leanddp

@@ -457,3 +457,21 @@ def test_parameters_are_current_after_optimizer_step() -> None:
     """The loop torch's DDP users write (accumulation, clipping, an LR scheduler) reads the
     parameters right after ``optimizer.step()``: it sees this step's host update."""
     run_ranks(2, _read_after_step)
+
+def test_released_on_its_own_worker_thread() -> None:
+    """The last reference to the host side dropped by its worker thread (its destructor runs
+    there and cannot join itself): the process goes on and exits cleanly, where a joinable
+    std::thread destroyed on its own thread would abort it."""
+    script = textwrap.dedent(
+        """
+        from leanddp import _C
+        for _ in range(20):
+            assert _C._offload_released_on_worker()
+        print("released")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "released" in done.stdout

@@ -15,8 +15,11 @@ from torch import nn
 
 #: torch's default bucket cap, in MiB.
 DEFAULT_BUCKET_CAP_MB = 25
-#: The first bucket is capped at 1 MiB (or the cap, if smaller) so reduction starts early.
+#: With the default cap, the first bucket is capped at 1 MiB so reduction starts early (as in
+#: torch's DDP, an explicit ``bucket_cap_mb`` caps every bucket, the first one included).
 FIRST_BUCKET_BYTES = 1024 * 1024
+#: A cap no bucket reaches: every parameter of a (device, dtype) in one bucket.
+_UNCAPPED = 2**63 - 1
 _MB = 1024 * 1024
 
 
@@ -43,6 +46,11 @@ class DDPConfig:
     """Broadcast buffers from rank 0 before each forward (``broadcast_buffers``)."""
     caps_bytes: tuple[int, ...]
     """Byte caps of consecutive buckets (the last repeats)."""
+    initial_caps_bytes: tuple[int, ...]
+    """The caps of the layout before the first rebuild, torch's DDP's: every parameter of a
+    (device, dtype) in one bucket, unless ``find_unused_parameters`` without ``static_graph``
+    or ``bucket_cap_mb_list`` keep ``caps_bytes``; ``optimizer_in_backward`` keeps them too, so
+    that bucket memory is bounded in the first iteration as well."""
     find_unused_parameters: bool
     """Search each forward's graph for parameters it does not reach."""
     gradient_as_bucket_view: bool
@@ -172,14 +180,15 @@ def _caps(bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> tuple[int, ...]:
             if not isinstance(mb, (int, float)) or mb <= 0:
                 _fail(f"bucket_cap_mb_list[{i}] must be a positive number of MiB, got {mb!r}")
         return tuple(int(mb * _MB) for mb in bucket_cap_mb_list)
-    if bucket_cap_mb is None:
+    default = bucket_cap_mb is None
+    if default:
         bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
         _fail(f"bucket_cap_mb must be a number of MiB, got {bucket_cap_mb!r}", TypeError)
     if not bucket_cap_mb > 0:
         _fail(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
     cap = max(1, int(bucket_cap_mb * _MB))
-    return (min(FIRST_BUCKET_BYTES, cap), cap)
+    return (FIRST_BUCKET_BYTES, cap) if default and cap > FIRST_BUCKET_BYTES else (cap,)
 
 
 def _check_module(module: Any, ignored: Sequence[str]) -> torch.device:
@@ -321,6 +330,13 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
         init_sync_buffers=init_sync_buffers,
         forward_sync_buffers=forward_sync_buffers,
         caps_bytes=caps,
+        initial_caps_bytes=(
+            caps
+            if kw["bucket_cap_mb_list"]
+            or (kw["find_unused_parameters"] and not kw["static_graph"])
+            or factory is not None  # bounded bucket memory from the first iteration on
+            else (_UNCAPPED,)
+        ),
         find_unused_parameters=kw["find_unused_parameters"],
         gradient_as_bucket_view=kw["gradient_as_bucket_view"],
         static_graph=kw["static_graph"],

@@ -239,6 +239,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self._in_backward is not None,
             self._config.nan_check,
             [name in sparse for name in self._param_names],
+            list(self._config.initial_caps_bytes),
         )
         if self._in_backward is not None:
             self._in_backward.attach(self.reducer)
