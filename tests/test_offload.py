@@ -458,6 +458,7 @@ def test_parameters_are_current_after_optimizer_step() -> None:
     parameters right after ``optimizer.step()``: it sees this step's host update."""
     run_ranks(2, _read_after_step)
 
+
 def test_released_on_its_own_worker_thread() -> None:
     """The last reference to the host side dropped by its worker thread (its destructor runs
     there and cannot join itself): the process goes on and exits cleanly, where a joinable
