@@ -79,4 +79,11 @@ at::Tensor slice_like(const at::Tensor& flat, int64_t offset, const at::Tensor& 
 // t has view's strides. `t` itself when `view` is contiguous.
 at::Tensor in_memory_order_of(const at::Tensor& t, const at::Tensor& view);
 
+// True when `grad` is exactly `view` (same storage, offset, sizes and strides).
+inline bool is_view(const at::Tensor& grad, const at::Tensor& view) {
+  return grad.defined() && !grad.is_sparse() && grad.is_alias_of(view) &&
+         grad.storage_offset() == view.storage_offset() && grad.sizes() == view.sizes() &&
+         grad.strides() == view.strides();
+}
+
 }  // namespace leanddp

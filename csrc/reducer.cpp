@@ -16,13 +16,6 @@ namespace {
 
 using torch::autograd::variable_list;
 
-// True when `grad` is exactly `view` (same storage, offset, sizes and strides).
-bool is_view(const at::Tensor& grad, const at::Tensor& view) {
-  return grad.defined() && !grad.is_sparse() && grad.is_alias_of(view) &&
-         grad.storage_offset() == view.storage_offset() && grad.sizes() == view.sizes() &&
-         grad.strides() == view.strides();
-}
-
 }  // namespace
 
 std::string join_names(const std::vector<std::string>& names, const std::vector<int64_t>& idx) {
@@ -97,20 +90,6 @@ Reducer::~Reducer() {
   if (offload_) offload_->shutdown();
   for (size_t i = 0; i < grad_accumulators_.size(); ++i) {
     grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
-  }
-}
-
-void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment) {
-  buckets_.clear();
-  allocated_bytes_ = 0;
-  location_.assign(params_.size(), {0, 0});
-  for (const auto& indices : assignment) {
-    for (size_t s = 0; s < indices.size(); ++s) {
-      location_[static_cast<size_t>(indices[s])] = {buckets_.size(), s};
-    }
-    const bool sparse = indices.size() == 1 && expects_sparse(static_cast<size_t>(indices[0]));
-    buckets_.push_back(make_bucket(params_, indices, !options_.step_in_backward, sparse));
-    if (buckets_.back().allocated()) allocated_bytes_ += buckets_.back().flat.nbytes();
   }
 }
 
@@ -569,65 +548,6 @@ void Reducer::write_reduced_grads(size_t bucket_index, const std::vector<int32_t
   }
 }
 
-bool Reducer::rebuild_buckets() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!should_rebuild() || ready_order_.empty() || armed_) return false;
-  wait_idle();  // offload_to_cpu: the host state is relaid below (raises before any change)
-  const size_t n = params_.size();
-  std::vector<char> seen(n, 0);
-  std::vector<int64_t> order;
-  for (int64_t i : ready_order_) {
-    if (!seen[static_cast<size_t>(i)]) order.push_back(i);
-    seen[static_cast<size_t>(i)] = 1;
-  }
-  // Parameters without a gradient in that backward go last, in registration order (torch's).
-  for (size_t i = 0; i < n; ++i) {
-    if (!seen[i]) order.push_back(static_cast<int64_t>(i));
-  }
-  // Every rank adopts rank 0's order, so every rank launches the same buckets in the same order.
-  at::Tensor shared = at::tensor(order, at::kLong).to(params_[0].device());
-  std::vector<at::Tensor> tensors{shared};
-  try {
-    process_group_->broadcast(tensors)->wait();
-  } catch (...) {
-    rethrow_collective_error("broadcasting the gradient order from rank 0 (rebuilding buckets)");
-  }
-  const at::Tensor agreed = shared.cpu();
-  order.assign(agreed.data_ptr<int64_t>(), agreed.data_ptr<int64_t>() + n);
-  std::fill(seen.begin(), seen.end(), 0);
-  for (int64_t i : order) {
-    TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < n && !seen[static_cast<size_t>(i)],
-                "leanddp.DistributedDataParallel: ranks disagree on the parameters being "
-                "trained (rank 0 sent an invalid gradient order); wrap the same model on every "
-                "rank");
-    seen[static_cast<size_t>(i)] = 1;
-  }
-  at::NoGradGuard no_grad;
-  const std::vector<Bucket> old_buckets = std::move(buckets_);
-  build_buckets(assign_buckets(params_, order, options_.caps_bytes, options_.expect_sparse));
-  if (offload_) {
-    offload_->relayout(old_buckets, buckets_);
-  } else if (fused_) {
-    fused_->relayout(old_buckets, buckets_);
-  }
-  if (options_.gradient_as_bucket_view) {
-    for (size_t i = 0; i < n; ++i) {
-      at::Tensor& grad = params_[i].mutable_grad();
-      if (!grad.defined() || expects_sparse(i)) continue;  // sparse: never a view
-      const auto [b, s] = location_[i];
-      ensure_allocated(b);
-      buckets_[b].views[s].copy_(grad);
-      grad = buckets_[b].views[s];
-      grad_was_view_[i] = 1;
-      view_since_sync_[i] = 1;
-    }
-  }
-  reset_iteration_state();
-  has_rebuilt_ = true;
-  ready_order_.clear();
-  return true;
-}
-
 void Reducer::check_before_first_backward(const char* what) const {
   TORCH_CHECK(iterations_ == 0 && !armed_, "leanddp.DistributedDataParallel: ", what,
               " only before the first backward");
@@ -646,61 +566,6 @@ void Reducer::register_comm_hook(std::unique_ptr<CommHook> hook) {
               "only once");
   check_before_first_backward("register_comm_hook may be called");
   comm_hook_ = std::move(hook);
-}
-
-MemoryStats Reducer::memory_stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  MemoryStats stats;
-  stats.num_buckets = static_cast<int64_t>(buckets_.size());
-  stats.bucket_bytes = allocated_bytes_;
-  wait_idle(/*host_too=*/false, /*order_device=*/false);  // (reads host counters only)
-  if (offload_) {
-    const OffloadStats host = offload_->stats();
-    stats.host_master_bytes = host.master_bytes;
-    stats.host_buffer_bytes = host.host_buffer_bytes;
-    stats.host_pinned_bytes = host.pinned_bytes;
-  }
-  FusedOptimizer* fused = fused_optimizer();
-  stats.optimizer_state_bytes = fused ? fused->state_bytes() : 0;
-  stats.peak_bucket_bytes = peak_bucket_bytes_;
-  stats.max_buckets_in_flight = max_in_flight_;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor& grad = params_[i].grad();
-    if (!grad.defined()) continue;
-    const auto [b, s] = location_[i];
-    if (grad.is_sparse()) {
-      ++stats.grads_outside;
-      stats.grad_bytes += static_cast<int64_t>(grad._indices().nbytes() + grad._values().nbytes());
-    } else if (buckets_[b].allocated() && is_view(grad, buckets_[b].views[s])) {
-      ++stats.grads_as_views;
-    } else {
-      ++stats.grads_outside;
-      stats.grad_bytes += static_cast<int64_t>(grad.nbytes());
-    }
-  }
-  return stats;
-}
-
-std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<std::vector<int64_t>> out;
-  for (const Bucket& b : buckets_) out.push_back(b.params);
-  return out;
-}
-
-std::vector<int64_t> Reducer::bucket_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<int64_t> out;
-  for (const Bucket& b : buckets_) {
-    out.push_back(b.numel *
-                  static_cast<int64_t>(params_[static_cast<size_t>(b.params[0])].element_size()));
-  }
-  return out;
-}
-
-bool Reducer::has_rebuilt_buckets() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return has_rebuilt_;
 }
 
 int64_t Reducer::num_iterations() const {
