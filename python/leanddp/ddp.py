@@ -36,7 +36,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     queued on a side stream behind each bucket's reduction, never waited for by the host; the
     stream that called backward is ordered after them when backward returns. The optimizer it
     returns is ``self.optimizer``: LR schedulers and checkpoints use it as usual, and its
-    ``step()`` does nothing (see docs/ddp.md).
+    ``step()`` steps nothing but makes the updates visible: with ``offload_to_cpu`` it waits
+    for the host steps, so parameters read after it hold this step's update (see docs/ddp.md).
 
     ``offload_to_cpu=True`` (with ``optimizer_in_backward``): optimizer state and float32
     master weights live in host memory; each reduced bucket is copied there, its device memory
