@@ -535,9 +535,12 @@ def guard_clipping(params: Sequence[nn.Parameter]) -> None:
 def _guard_inside(fn: Callable[..., Any], name: str) -> bool:
     """Points the closure cell holding the function a ``_no_grad`` wrapper calls at a guarded
     version of it; False if ``fn`` is not built that way."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
     cells = [
         c
-        for var, c in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True)
+        for var, c in zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=True)
         if var == "func" and callable(c.cell_contents)
     ]
     if len(cells) != 1:
