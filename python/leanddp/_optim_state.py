@@ -129,25 +129,25 @@ class StateView:
         indices = self.replaced()
         if not indices:
             return False
-        state = self.state
-        for i in indices:
-            self.check(i, state.get(self.params[i]) or {})
-        for i in indices:
-            entry = state.get(self.params[i])
-            self.load(reducer, i, entry or {})
+        for i, entry in zip(indices, self._check_and_load(reducer, indices), strict=True):
             # (re-pointed by the next sync where the fused state exists; else it stays this one)
             self.given[i] = None if entry is None else (entry, tuple(entry.values()))
         return True
 
+    def _check_and_load(self, reducer: Any, indices: list[int]) -> list[dict[str, Any] | None]:
+        """Checks the ``optimizer.state`` entries of these parameters, all before any is copied,
+        then copies them into the fused state; returns the entries (None where absent)."""
+        entries = [self.state.get(self.params[i]) for i in indices]
+        for i, entry in zip(indices, entries, strict=True):
+            self.check(i, entry or {})
+        for i, entry in zip(indices, entries, strict=True):
+            self.load(reducer, i, entry or {})
+        return entries
+
     def load_all(self, reducer: Any) -> None:
         """Copies what ``optimizer.state`` holds for every fused parameter into the fused state
         (after ``load_state_dict``) and points the entries at it."""
-        state = self.state
-        indices = [i for i, f in enumerate(self.fused) if f]
-        for i in indices:
-            self.check(i, state.get(self.params[i], {}))
-        for i in indices:
-            self.load(reducer, i, state.get(self.params[i], {}))
+        self._check_and_load(reducer, [i for i, f in enumerate(self.fused) if f])
         self.generation = -1
         self.sync(reducer, adopt=False)
 
