@@ -268,7 +268,20 @@ void bind_reducer(py::module_& m) {
           py::arg("offload_threads") = 1, py::arg("max_grad_norm") = py::none())
       .def("wait_for_steps", &Reducer::wait_for_steps, py::arg("host_too") = false,
            py::call_guard<py::gil_scoped_release>())
-      .def("shutdown_offload", &Reducer::shutdown_offload, py::call_guard<py::gil_scoped_release>())
+      .def("close",
+           [](Reducer& self) {
+             Reducer::Detached detached;
+             {
+               py::gil_scoped_release no_gil;
+               detached = self.close();
+               // A process group's destructor joins its threads, which may wait for the GIL.
+               detached.works.clear();
+               detached.futures.clear();
+               detached.process_group.reset();
+             }
+             // The hook and the stepper hold Python objects: released here, with the GIL.
+           })
+      .def("closed", &Reducer::closed, py::call_guard<py::gil_scoped_release>())
       .def("offload_stats", &Reducer::offload_stats, py::call_guard<py::gil_scoped_release>())
       .def("load_master_weight", &Reducer::load_master_weight, py::arg("param"), py::arg("value"),
            py::call_guard<py::gil_scoped_release>())

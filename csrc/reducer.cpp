@@ -35,6 +35,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     : params_(std::move(params)),
       names_(std::move(names)),
       process_group_(std::move(process_group)),
+      rank_(process_group_ ? process_group_->getRank() : -1),
       options_(std::move(options)),
       window_(options_.buckets_in_flight,
               !params_.empty() && runs_apart(params_.front().device())) {
@@ -174,6 +175,7 @@ std::vector<std::string> Reducer::prepare_for_forward() {
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mu_);
+  check_open("a forward that prepares a synchronized backward");
   recover_unfinished();  // (prepare_for_forward did this already, unless the forward ran no_grad)
   reset_iteration_state();
   armed_ = true;
@@ -404,7 +406,7 @@ void Reducer::finalize() {
         if (!ready_[i]) missing.push_back(static_cast<int64_t>(i));
       }
       TORCH_CHECK(
-          false, "leanddp.DistributedDataParallel: rank ", process_group_->getRank(),
+          false, "leanddp.DistributedDataParallel: rank ", rank_,
           ": these parameters received no gradient in this backward: ", join_names(names_, missing),
           ". Their reduction could not start. If the forward does not use every "
           "parameter, pass find_unused_parameters=True (or static_graph=True when the "

@@ -160,9 +160,25 @@ class Reducer {
   // not wait), and the host waits for its host steps (offload_to_cpu) and rethrows an error met
   // there. `host_too`: the host waits for the copies back as well (not only the current stream).
   void wait_for_steps(bool host_too);
-  // Stops the offload worker once the host steps already queued are done (the wrapper is
-  // collected, or the process is exiting); later host steps are dropped.
-  void shutdown_offload();
+  // What close() lets go of, for the caller to destroy where it may: the process group and
+  // in-flight works without the GIL (tearing down a process group joins its threads), the
+  // communication hook and fallback stepper (they hold Python objects) with it.
+  struct Detached {
+    c10::intrusive_ptr<c10d::ProcessGroup> process_group;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+    std::unique_ptr<CommHook> comm_hook;
+    std::unique_ptr<BucketStepper> fallback;
+  };
+  // At interpreter exit (Python's atexit) or when the wrapper is collected, whichever comes
+  // first: stops the offload worker (once the host steps already queued are done; later ones
+  // are dropped) and detaches the process group, the in-flight works, the
+  // communication hook and the fallback stepper, so that none of them is torn down during
+  // interpreter finalization, when threads other than the main one can no longer take the GIL.
+  // Parameters, gradients and optimizer state stay readable. Afterwards a forward that prepares
+  // a synchronized backward, or a bucket rebuild, raises. Idempotent.
+  Detached close();
+  bool closed() const;
   OffloadStats offload_stats() const;
   // Sets a low-precision parameter's float32 master weight (offload_to_cpu checkpoints).
   void load_master_weight(size_t p, const at::Tensor& value);
@@ -279,6 +295,7 @@ class Reducer {
   void ensure_allocated(size_t bucket_index);
   // Throws "<what> only before the first backward" once a backward has been prepared or run.
   void check_before_first_backward(const char* what) const;
+  void check_open(const char* what) const;  // raises once closed
   void release(size_t bucket_index);
   // The fused optimizer, wherever it lives (null if none). With offload_to_cpu the worker must
   // be idle (wait_idle()).
@@ -294,7 +311,9 @@ class Reducer {
   // Fixed at construction.
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
-  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;  // null once closed
+  int rank_;                                              // process_group_'s, for messages
+  bool closed_ = false;
   ReducerOptions options_;
   std::vector<NodePtr> grad_accumulators_;  // kept alive: the hooks live on them
   std::vector<uintptr_t> hook_keys_;

@@ -60,7 +60,7 @@ void Reducer::recover_unfinished() {
   const bool started = callback_queued_;  // a hook fired: the backward ran part of the way
   const bool ok = abandon_iteration(/*step_launched=*/started);
   wait_idle();  // its device or host steps land before this forward
-  TORCH_CHECK(ok, "leanddp.DistributedDataParallel: rank ", process_group_->getRank(),
+  TORCH_CHECK(ok, "leanddp.DistributedDataParallel: rank ", rank_,
               ": the last backward raised part-way and its gradient reductions failed too; "
               "the process group cannot be used for training any more (another rank has "
               "probably died or raised).");
@@ -73,7 +73,7 @@ bool Reducer::steps_in_hooks() const {
 
 void Reducer::rethrow_collective_error(const std::string& what) const {
   std::ostringstream context;
-  context << "leanddp.DistributedDataParallel: rank " << process_group_->getRank() << ": " << what
+  context << "leanddp.DistributedDataParallel: rank " << rank_ << ": " << what
           << " failed. Another rank has probably died, raised an exception, or run a different "
              "sequence of forwards and backwards (every rank must run the same ones); this "
              "process group cannot be used for training any more. The error: ";

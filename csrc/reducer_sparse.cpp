@@ -81,8 +81,8 @@ void Reducer::launch_sparse(size_t bucket_index) {
   try {
     works_[bucket_index] = process_group_->allreduce(tensors);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "leanddp.DistributedDataParallel: rank ", process_group_->getRank(),
-                ": the process group (", process_group_->getBackendName(),
+    TORCH_CHECK(false, "leanddp.DistributedDataParallel: rank ", rank_, ": the process group (",
+                process_group_->getBackendName(),
                 ") could not start the reduction of the sparse gradient of ", names_[p],
                 " (a module with sparse=True): ", message_of(e),
                 ". As torch's DDP, leanddp reduces sparse gradients with the process group's "

@@ -148,9 +148,33 @@ void Reducer::wait_for_steps(bool host_too) {
   wait_idle(host_too);
 }
 
-void Reducer::shutdown_offload() {
+Reducer::Detached Reducer::close() {
   std::lock_guard<std::mutex> lock(mu_);
   if (offload_) offload_->shutdown();
+  Detached detached;
+  if (closed_) return detached;
+  closed_ = true;
+  armed_ = false;
+  detached.process_group = std::move(process_group_);
+  detached.works = std::move(works_);
+  detached.futures = std::move(futures_);
+  if (local_used_work_) detached.works.push_back(std::move(local_used_work_));
+  detached.comm_hook = std::move(comm_hook_);
+  detached.fallback = std::move(fallback_);
+  works_.assign(buckets_.size(), {});
+  futures_.assign(buckets_.size(), {});
+  return detached;
+}
+
+bool Reducer::closed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_;
+}
+
+void Reducer::check_open(const char* what) const {
+  TORCH_CHECK(!closed_, "leanddp.DistributedDataParallel: ", what,
+              " after the wrapper was closed (at interpreter exit, or when it was collected): "
+              "it no longer holds its process group");
 }
 
 OffloadStats Reducer::offload_stats() const {

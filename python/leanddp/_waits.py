@@ -6,8 +6,8 @@ and with offload_to_cpu the host worker finishes them. ``DistributedDataParallel
 for them. So that code using the parameters another way sees the stepped weights too (and does
 not race with the writes), the wrapped module waits before its own forward (called directly, as
 evaluation code often does), and every module that owns a trained parameter waits before its
-``state_dict()`` and ``load_state_dict()``. With offload_to_cpu the worker is also stopped at
-interpreter exit, before torch tears down.
+``state_dict()`` and ``load_state_dict()``. (With offload_to_cpu the worker is stopped when the
+wrapper is collected or at interpreter exit: see ``Reducer.close``.)
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from typing import Any
 from torch import nn
 
 
-def install_waits(ddp: nn.Module, offload: bool) -> None:
-    """Installs the waits on ``ddp.module`` and, with ``offload``, the exit-time shutdown of
-    ``ddp.reducer``'s host worker."""
+def install_waits(ddp: nn.Module) -> None:
+    """Installs the waits on ``ddp.module``."""
     ref = weakref.ref(ddp)
 
     def before_forward(module: nn.Module, args: Any) -> None:
@@ -39,7 +38,3 @@ def install_waits(ddp: nn.Module, offload: bool) -> None:
         if any(id(p) in trained for p in sub.parameters(recurse=False)):
             sub.register_state_dict_pre_hook(before_state_dict)
             sub.register_load_state_dict_pre_hook(before_state_dict)
-    if offload:
-        # Runs when ddp is collected or, at the latest, at interpreter exit (weakref.finalize is
-        # an atexit hook too): a worker still stepping then finishes its bucket and stops.
-        weakref.finalize(ddp, ddp.reducer.shutdown_offload)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -242,10 +243,15 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             [name in sparse for name in self._param_names],
             list(self._config.initial_caps_bytes),
         )
+        # When the wrapper is collected or, at the latest, at interpreter exit (weakref.finalize
+        # is an atexit hook too): the Reducer stops its offload worker and lets go of the process
+        # group, its in-flight works and its Python hook and stepper, while every thread can
+        # still take the GIL, so none of them is torn down during interpreter finalization.
+        weakref.finalize(self, self.reducer.close)
         if self._in_backward is not None:
             self._in_backward.attach(self.reducer)
         if self._in_backward is not None:
-            _waits.install_waits(self, self._config.offload_to_cpu)
+            _waits.install_waits(self)
         for hook, state in self._comm_hooks:
             self._attach_comm_hook(hook, state)
 

@@ -34,6 +34,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+# torch imports torch._dynamo when the first optimizer of a process is constructed. That import
+# leaves its frames in cyclic garbage, and with them every calling frame: here the wrapper's
+# __init__, which would keep the first DistributedDataParallel (its buckets, optimizer state and
+# process group) alive after its last reference is dropped, until a full collection, often at
+# interpreter exit. Importing it here, as the library loads, keeps the wrapper out of it.
+import torch._dynamo  # noqa: F401
 from torch import Tensor, nn
 
 from ._optim_state import StateView

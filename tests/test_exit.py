@@ -1,0 +1,103 @@
+"""The end of a wrapper's life: dropped, it is freed by reference counting (its buckets, optimizer
+state and process group with it); still alive at interpreter exit, its Reducer lets go of the
+process group, in-flight works and Python hook and stepper at exit, before finalization, and a
+later synchronized forward raises a clear error."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import weakref
+
+import pytest
+import torch
+from dist_harness import _free_port, run_ranks
+from torch import nn
+
+import leanddp
+
+ADAGRAD = functools.partial(torch.optim.Adagrad, lr=1e-2)  # stepped by the Python stepper
+
+
+def _dropped(rank: int, world_size: int) -> None:
+    gc.disable()  # only reference counting frees what follows
+    try:
+        for kwargs in ({"optimizer_in_backward": ADAGRAD}, {}):
+            ddp = leanddp.DistributedDataParallel(nn.Linear(4, 2), **kwargs)
+            ddp(torch.randn(3, 4)).sum().backward()
+            wrapper, reducer = weakref.ref(ddp), ddp.reducer
+            del ddp
+            assert wrapper() is None, f"the wrapper ({kwargs}) outlived its last reference"
+            assert reducer.closed()
+    finally:
+        gc.enable()
+
+
+def test_a_dropped_wrapper_is_freed_and_closed() -> None:
+    """The first one built in a process too (its optimizer is the process's first)."""
+    run_ranks(1, _dropped)
+
+
+_ALIVE_AT_EXIT = """
+import os, weakref
+import torch, torch.distributed as dist
+from torch import nn
+import leanddp
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+class Witness:
+    pass
+
+def report():
+    # Runs at exit after the wrapper's own exit-time close (finalizers run newest first).
+    print("closed", ddp.reducer.closed(), flush=True)
+    print("weight", torch.isfinite(ddp.module.weight).all().item(), flush=True)
+    try:
+        ddp(torch.randn(3, 4)).sum().backward()
+    except RuntimeError as e:
+        print("raised", str(e), flush=True)
+
+witness = Witness()
+weakref.finalize(witness, report)
+ddp = leanddp.DistributedDataParallel(
+    nn.Linear(4, 2), optimizer_in_backward=lambda p: torch.optim.Adagrad(p, lr=0.1)
+)
+ddp.register_comm_hook(None, lambda state, bucket: dist.all_reduce(
+    bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0]))
+for _ in range(3):
+    ddp(torch.randn(3, 4)).sum().backward()
+dist.destroy_process_group()
+"""
+
+
+def test_alive_at_exit_is_closed_before_finalization(tmp_path) -> None:
+    script = tmp_path / "alive_at_exit.py"
+    script.write_text(textwrap.dedent(_ALIVE_AT_EXIT).format(port=_free_port()))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "closed True" in lines and "weight True" in lines, done.stdout
+    raised = [line for line in lines if line.startswith("raised")]
+    assert raised and "after the wrapper was closed" in raised[0], done.stdout
+
+
+def _close_twice(rank: int, world_size: int) -> None:
+    ddp = leanddp.DistributedDataParallel(nn.Linear(4, 2), optimizer_in_backward=ADAGRAD)
+    ddp(torch.randn(3, 4)).sum().backward()
+    ddp.reducer.close()
+    ddp.reducer.close()
+    assert ddp.reducer.closed()
+    with pytest.raises(RuntimeError, match="after the wrapper was closed"):
+        ddp(torch.randn(3, 4)).sum().backward()
+
+
+def test_close_is_idempotent_and_a_closed_wrapper_refuses_to_reduce() -> None:
+    run_ranks(1, _close_twice)
