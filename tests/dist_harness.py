@@ -10,6 +10,7 @@ the process group timeout.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 from collections.abc import Callable
@@ -66,6 +67,10 @@ def _entry(
     try:
         torch.manual_seed(seed + 1000 * rank)
         fn(rank, world_size, *args)
+        # A wrapper caught in a reference cycle (a test's hook closing over it) is freed here, as
+        # reference counting frees the others when fn returns, rather than during interpreter
+        # finalization with the process group it holds.
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
