@@ -311,9 +311,8 @@ class Reducer {
   // Fixed at construction.
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
-  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;  // null once closed
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;  // null once closed (only then)
   int rank_;                                              // process_group_'s, for messages
-  bool closed_ = false;
   ReducerOptions options_;
   std::vector<NodePtr> grad_accumulators_;  // kept alive: the hooks live on them
   std::vector<uintptr_t> hook_keys_;

@@ -152,8 +152,7 @@ Reducer::Detached Reducer::close() {
   std::lock_guard<std::mutex> lock(mu_);
   if (offload_) offload_->shutdown();
   Detached detached;
-  if (closed_) return detached;
-  closed_ = true;
+  if (!process_group_) return detached;  // closed already
   armed_ = false;
   detached.process_group = std::move(process_group_);
   detached.works = std::move(works_);
@@ -168,11 +167,11 @@ Reducer::Detached Reducer::close() {
 
 bool Reducer::closed() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return closed_;
+  return !process_group_;
 }
 
 void Reducer::check_open(const char* what) const {
-  TORCH_CHECK(!closed_, "leanddp.DistributedDataParallel: ", what,
+  TORCH_CHECK(process_group_, "leanddp.DistributedDataParallel: ", what,
               " after the wrapper was closed (at interpreter exit, or when it was collected): "
               "it no longer holds its process group");
 }
