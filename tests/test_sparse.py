@@ -106,6 +106,12 @@ def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else (t.to_dense() if t.is_sparse else t)
 
 
+def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Against the dense twin: its embedding gradients are summed in another order, so the
+    parameters drift apart by rounding (a few ulps) over the steps, never by more."""
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+
 def _check_grads(ref: nn.Module, ours: nn.Module, exact: bool, what: str) -> None:
     for (name, a), b in zip(ref.named_parameters(), ours.parameters(), strict=True):
         assert (a.grad is None) == (b.grad is None), f"{what} {name}: {a.grad} vs {b.grad}"
@@ -122,13 +128,7 @@ def _check_grads(ref: nn.Module, ours: nn.Module, exact: bool, what: str) -> Non
             else:
                 assert torch.equal(a.grad, b.grad), f"{what} {name}: grads differ"
         else:
-            torch.testing.assert_close(
-                _dense(b.grad),
-                _dense(a.grad),
-                rtol=0,
-                atol=1e-6,
-                msg=f"{what} {name}",
-            )
+            _close(_dense(b.grad), _dense(a.grad), f"{what} {name} grad")
 
 
 def _parity_case(rank: int, world_size: int, case: Case) -> None:
@@ -188,7 +188,7 @@ def _parity_case(rank: int, world_size: int, case: Case) -> None:
             ref.module.named_parameters(), ours.module.parameters(), strict=True
         ):
             if twin:
-                torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=f"{what} {name}")
+                _close(b, a, f"{what} {name}")
             else:
                 assert torch.equal(a, b), f"{what} {name}: max diff {(a - b).abs().max()}"
 
