@@ -52,6 +52,10 @@ class PyCommHook final : public leanddp::CommHook {
                 "leanddp: a communication hook's future must hold a tensor (or a list with one)");
     return THPVariable_Unpack(value.ptr());
   }
+  void settle(size_t index) override {
+    py::gil_scoped_acquire gil;
+    if (index < futures_.size() && futures_[index]) futures_[index].attr("wait")();
+  }
   bool done(size_t index) override {
     py::gil_scoped_acquire gil;
     return index < futures_.size() && futures_[index] &&

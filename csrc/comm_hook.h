@@ -27,6 +27,9 @@ class CommHook {
   // stream with optimizer_in_backward): a CUDA future's wait makes that stream wait for the
   // reduction and blocks the host only until the future is complete (at once for NCCL).
   virtual at::Tensor wait(size_t index) = 0;
+  // Blocks the host until bucket `index`'s future is complete, keeping its result for wait();
+  // returns at once if the bucket has no pending future. Raises what the future raised.
+  virtual void settle(size_t index) = 0;
   // Whether bucket `index`'s future is complete on the host (wait() would not block the host;
   // on a GPU its reduction may still be running, ordered by the future's events).
   virtual bool done(size_t index) = 0;

@@ -477,15 +477,14 @@ void Reducer::collect_reduced(size_t index) {
   if (buckets_[index].sparse) return collect_sparse(index);
   Bucket& bucket = buckets_[index];
   at::Tensor result;
-  try {
-    if (comm_hook_) {
+  if (comm_hook_) {
+    try {
       result = comm_hook_->wait(index);
-    } else {
-      works_[index]->wait();
+    } catch (...) {
+      rethrow_collective_error(reduction_of(index));
     }
-  } catch (...) {
-    rethrow_collective_error("the reduction of bucket " + std::to_string(index) + " (" +
-                             join_names(names_, bucket.params) + ")");
+  } else {
+    settle(index);
   }
   // The work (and its future) hold the bucket's memory: drop them, so that releasing the bucket
   // frees it. NCCL's wait has released its own hold already (ordered by the wait).

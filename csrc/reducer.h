@@ -270,8 +270,16 @@ class Reducer {
   }
   // At launch: takes the parameter's gradient (an empty sparse tensor if it has none on this
   // rank), divides it in place by the world size (unless a comm hook reduces), and starts its
-  // allreduce, or hands it to the comm hook as the bucket's buffer (torch's contract).
+  // allreduce, or hands it to the comm hook as the bucket's buffer (torch's contract). The
+  // reduction runs alone on the process group: the host waits for the buckets launched before
+  // it, and for it before returning (gloo's sparse allreduce beside another collective of the
+  // same group corrupts memory; see reducer_sparse.cpp).
   void launch_sparse(size_t bucket_index);
+  // Blocks the host until bucket `bucket_index`'s reduction (work or hook future) is complete,
+  // keeping its result for collect_reduced; raises a failed one as collect_reduced would.
+  void settle(size_t bucket_index);
+  // "the reduction of bucket i (names)": what a failed reduction's error names.
+  std::string reduction_of(size_t bucket_index) const;
   // Waits for the sparse reduction and keeps the result in the bucket's `sparse_grad`.
   void collect_sparse(size_t bucket_index);
   // Writes the reduced sparse gradient into param.grad (copied into it if defined, as torch

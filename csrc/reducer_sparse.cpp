@@ -4,6 +4,16 @@
 // is divided in place by the world size and reduced with the process group's allreduce of the
 // sparse tensor (gloo gathers every rank's indices and values and sums them), or handed to the
 // communication hook as the bucket's buffer; the result is copied into param.grad.
+//
+// A sparse reduction runs alone on its process group. gloo runs a group's collectives on its
+// worker threads (two by default), and its sparse allreduce (an allgather of metadata, then
+// allgathers of indices and values) running beside another collective of the same group
+// corrupts the heap or hangs now and then (torch 2.13 and 2.14.1, reproduced with torch's
+// collectives alone: allreduces of a dense, two sparse and an int tensor issued together, a few
+// thousand times). So the host waits for the buckets launched before a sparse one, and for the
+// sparse one before the next launch. Only gloo reduces sparse tensors, and with it the host waits
+// for every reduction before backward returns anyway; what is lost is the overlap of a sparse
+// reduction with the others.
 #include "reducer.h"
 
 #include <c10/util/Exception.h>
@@ -57,7 +67,27 @@ void Reducer::check_dense_grad(size_t index, const at::Tensor& grad) const {
               "(torch's DDP has the same rule); give this parameter dense gradients.");
 }
 
+void Reducer::settle(size_t bucket_index) {
+  try {
+    if (comm_hook_) {
+      comm_hook_->settle(bucket_index);
+    } else if (works_[bucket_index]) {
+      works_[bucket_index]->wait();
+    }
+  } catch (...) {
+    rethrow_collective_error(reduction_of(bucket_index));
+  }
+}
+
+std::string Reducer::reduction_of(size_t bucket_index) const {
+  return "the reduction of bucket " + std::to_string(bucket_index) + " (" +
+         join_names(names_, buckets_[bucket_index].params) + ")";
+}
+
 void Reducer::launch_sparse(size_t bucket_index) {
+  for (size_t b = 0; b < bucket_index; ++b) {
+    if (!collected_[b]) settle(b);  // alone on the process group (see the top of this file)
+  }
   Bucket& bucket = buckets_[bucket_index];
   const auto p = static_cast<size_t>(bucket.params.at(0));
   at::Tensor grad = params_[p].grad();
@@ -75,6 +105,7 @@ void Reducer::launch_sparse(size_t bucket_index) {
   bucket.sparse_grad = grad;
   if (comm_hook_) {
     comm_hook_->launch(bucket_index, buckets_.size(), grad, bucket.params);
+    settle(bucket_index);
     return;
   }
   std::vector<at::Tensor> tensors{grad};
@@ -89,6 +120,7 @@ void Reducer::launch_sparse(size_t bucket_index) {
                 "allreduce of sparse tensors, which gloo implements and NCCL does not; build the "
                 "module with sparse=False, or train with a gloo process group.");
   }
+  settle(bucket_index);
 }
 
 void Reducer::collect_sparse(size_t bucket_index) {

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import threading
 
 import pytest
 import torch
@@ -258,3 +259,53 @@ def test_optimizer_in_backward_refuses_sparse_parameters(offload: bool) -> None:
     assert ("offload_to_cpu" in str(info.value)) == offload
     assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
     assert all(p.grad is None for p in module.parameters())
+
+
+class _Late:
+    """A comm hook's state: its futures complete ``delay`` seconds after the call (the local
+    bucket as the result); it records, at each call, which earlier futures were complete."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.futures: list[torch.futures.Future] = []
+        self.calls: list[tuple[bool, list[bool]]] = []  # (sparse, done flags of earlier ones)
+
+
+def _late_hook(state, bucket):  # (string annotations would fail torch's hook check)
+    buffer = bucket.buffer()
+    state.calls.append((buffer.is_sparse, [f.done() for f in state.futures]))
+    future: torch.futures.Future = torch.futures.Future()
+    state.futures.append(future)
+    threading.Timer(state.delay, future.set_result, args=(buffer,)).start()
+    return future
+
+
+def _sparse_alone(rank: int, world_size: int) -> None:
+    late = _Late(delay=0.3)
+    ddp = leanddp.DistributedDataParallel(
+        SparseNet(), process_group=dist.new_group(), bucket_cap_mb=0.00001
+    )
+    ddp.register_comm_hook(late, _late_hook)
+    for step in range(3):
+        late.futures.clear()
+        late.calls.clear()
+        ddp(torch.randint(0, VOCAB, (BATCH, 3)), torch.randn(BATCH, DIM)).sum().backward()
+        kinds = [sparse for sparse, _ in late.calls]
+        for i, (sparse, done) in enumerate(late.calls):
+            for j, finished in enumerate(done):
+                if sparse or kinds[j]:  # a sparse reduction runs alone
+                    assert finished, f"step {step}: bucket {i} launched before {j} completed"
+        if step == 0:
+            continue  # buckets in the order gradients arrived from step 1 (the rebuild)
+        assert kinds == [False, False, True, True, False, False], f"step {step}: {kinds}"
+        # dense reductions still overlap: some dense launch found an earlier one running
+        assert any(not all(done) for sparse, done in late.calls if not sparse), (
+            f"step {step}: dense reductions did not overlap: {late.calls}"
+        )
+
+
+def test_sparse_reduction_runs_alone_on_the_process_group() -> None:
+    """gloo's sparse allreduce beside another collective of its group corrupts memory (see
+    csrc/reducer_sparse.cpp): a sparse bucket is launched only once every earlier reduction
+    completed, and the next only once it completed, while dense reductions still overlap."""
+    run_ranks(2, _sparse_alone)
