@@ -472,6 +472,23 @@ void Reducer::finalize() {
   }
 }
 
+void Reducer::settle(size_t bucket_index) {
+  try {
+    if (comm_hook_) {
+      comm_hook_->settle(bucket_index);
+    } else if (works_[bucket_index]) {
+      works_[bucket_index]->wait();
+    }
+  } catch (...) {
+    rethrow_collective_error(reduction_of(bucket_index));
+  }
+}
+
+std::string Reducer::reduction_of(size_t bucket_index) const {
+  return "the reduction of bucket " + std::to_string(bucket_index) + " (" +
+         join_names(names_, buckets_[bucket_index].params) + ")";
+}
+
 void Reducer::collect_reduced(size_t index) {
   if (collected_[index]) return;
   if (buckets_[index].sparse) return collect_sparse(index);

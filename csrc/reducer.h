@@ -264,6 +264,11 @@ class Reducer {
   // Waits for bucket `index`'s reduction and leaves the averaged result in its flat buffer
   // (once per iteration; later calls return at once).
   void collect_reduced(size_t index);
+  // Blocks the host until bucket `bucket_index`'s reduction (work or hook future) is complete,
+  // keeping its result for collect_reduced; raises a failed one as collect_reduced would.
+  void settle(size_t bucket_index);
+  // "the reduction of bucket i (names)": what a failed reduction's error names.
+  std::string reduction_of(size_t bucket_index) const;
   // Sparse buckets (reducer_sparse.cpp), called where the dense path would run for them.
   bool expects_sparse(size_t index) const {
     return !options_.expect_sparse.empty() && options_.expect_sparse[index];
@@ -275,11 +280,6 @@ class Reducer {
   // it, and for it before returning (gloo's sparse allreduce beside another collective of the
   // same group corrupts memory; see reducer_sparse.cpp).
   void launch_sparse(size_t bucket_index);
-  // Blocks the host until bucket `bucket_index`'s reduction (work or hook future) is complete,
-  // keeping its result for collect_reduced; raises a failed one as collect_reduced would.
-  void settle(size_t bucket_index);
-  // "the reduction of bucket i (names)": what a failed reduction's error names.
-  std::string reduction_of(size_t bucket_index) const;
   // Waits for the sparse reduction and keeps the result in the bucket's `sparse_grad`.
   void collect_sparse(size_t bucket_index);
   // Writes the reduced sparse gradient into param.grad (copied into it if defined, as torch

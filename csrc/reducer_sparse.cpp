@@ -67,23 +67,6 @@ void Reducer::check_dense_grad(size_t index, const at::Tensor& grad) const {
               "(torch's DDP has the same rule); give this parameter dense gradients.");
 }
 
-void Reducer::settle(size_t bucket_index) {
-  try {
-    if (comm_hook_) {
-      comm_hook_->settle(bucket_index);
-    } else if (works_[bucket_index]) {
-      works_[bucket_index]->wait();
-    }
-  } catch (...) {
-    rethrow_collective_error(reduction_of(bucket_index));
-  }
-}
-
-std::string Reducer::reduction_of(size_t bucket_index) const {
-  return "the reduction of bucket " + std::to_string(bucket_index) + " (" +
-         join_names(names_, buckets_[bucket_index].params) + ")";
-}
-
 void Reducer::launch_sparse(size_t bucket_index) {
   for (size_t b = 0; b < bucket_index; ++b) {
     if (!collected_[b]) settle(b);  // alone on the process group (see the top of this file)
