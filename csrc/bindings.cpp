@@ -3,6 +3,7 @@
 // binds the Reducer (whose methods release the GIL) and the Python side of communication hooks.
 #include "ops/cpu_kernels.h"
 #include "reducer.h"
+#include "shard.h"
 
 #include <ATen/Parallel.h>
 #include <pybind11/functional.h>
@@ -387,6 +388,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return info;
       },
       "How this extension was built: torch version, CUDA kernels, CPU instruction set in use.");
+  m.def(
+      "shard_layout",
+      [](const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
+         int64_t bucket_numel, int64_t align, int64_t world, int64_t rank) {
+        const leanddp::ShardLayout layout =
+            leanddp::shard_layout(offsets, numels, bucket_numel, align, world, rank);
+        py::list pieces;
+        for (const leanddp::ShardPiece& p : layout.pieces) {
+          pieces.append(py::make_tuple(p.slot, p.slot_offset, p.shard_offset, p.numel));
+        }
+        py::dict out;
+        out["padded"] = layout.padded;
+        out["shard_numel"] = layout.shard_numel;
+        out["begin"] = layout.begin;
+        out["pieces"] = pieces;
+        return out;
+      },
+      py::arg("offsets"), py::arg("numels"), py::arg("bucket_numel"), py::arg("align"),
+      py::arg("world"), py::arg("rank"),
+      "shard_optimizer_state's cut of a bucket (csrc/shard.h): padded and shard sizes, this "
+      "rank's first element, and its pieces as (slot, slot_offset, shard_offset, numel).");
   m.def("_offload_released_on_worker", &offload_released_on_worker,
         py::call_guard<py::gil_scoped_release>(),
         "Test hook: an offload worker that drops the last reference to its owner (its "

@@ -1,0 +1,43 @@
+#include "shard.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace leanddp {
+
+ShardLayout shard_layout(const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
+                         int64_t bucket_numel, int64_t align, int64_t world, int64_t rank) {
+  TORCH_CHECK(world >= 1, "shard_layout: world must be at least 1, got ", world);
+  TORCH_CHECK(rank >= 0 && rank < world, "shard_layout: rank must be in [0, ", world, "), got ",
+              rank);
+  TORCH_CHECK(align >= 1, "shard_layout: align must be at least 1, got ", align);
+  TORCH_CHECK(bucket_numel >= 0, "shard_layout: bucket_numel must not be negative, got ",
+              bucket_numel);
+  TORCH_CHECK(offsets.size() == numels.size(), "shard_layout: ", offsets.size(), " offsets for ",
+              numels.size(), " slots");
+  int64_t end_of_previous = 0;
+  for (size_t s = 0; s < offsets.size(); ++s) {
+    TORCH_CHECK(
+        numels[s] >= 0 && offsets[s] >= end_of_previous && offsets[s] + numels[s] <= bucket_numel,
+        "shard_layout: slot ", s, " (offset ", offsets[s], ", ", numels[s],
+        " elements) does not follow the previous slot inside the bucket of ", bucket_numel,
+        " elements");
+    end_of_previous = offsets[s] + numels[s];
+  }
+  ShardLayout layout;
+  const int64_t unit = world * align;
+  layout.padded = (bucket_numel + unit - 1) / unit * unit;
+  layout.shard_numel = layout.padded / world;
+  layout.begin = rank * layout.shard_numel;
+  const int64_t end = layout.begin + layout.shard_numel;
+  for (size_t s = 0; s < offsets.size(); ++s) {
+    const int64_t first = std::max(offsets[s], layout.begin);
+    const int64_t last = std::min(offsets[s] + numels[s], end);
+    if (first >= last) continue;
+    layout.pieces.push_back(ShardPiece{s, first - offsets[s], first - layout.begin, last - first});
+  }
+  return layout;
+}
+
+}  // namespace leanddp

@@ -1,0 +1,41 @@
+// shard_optimizer_state: how a bucket is cut among the ranks of its process group.
+//
+// The bucket's `numel` elements are padded to `padded`, the smallest multiple of `world * align`
+// not below `numel` (`align`: elements per 16 bytes, so that every shard starts aligned for the
+// vector kernels and for NCCL), and cut into `world` shards of `shard_numel`: rank r owns the
+// elements [r * shard_numel, (r + 1) * shard_numel). A reduce-scatter of the padded buffer
+// leaves each rank its shard reduced; an all-gather of the shards puts the stepped weights back.
+// A rank steps, and keeps optimizer state for, only the pieces of parameters inside its shard.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace leanddp {
+
+// The part of one bucket slot inside a shard. A slot cut by a shard boundary has a piece on
+// each rank it spans; the padding belongs to no slot.
+struct ShardPiece {
+  size_t slot = 0;           // the bucket slot (its index in Bucket::params)
+  int64_t slot_offset = 0;   // the piece's first element within the slot
+  int64_t shard_offset = 0;  // the piece's first element within the shard
+  int64_t numel = 0;
+};
+
+// One rank's shard of a bucket. Pieces are in layout order and tile the shard's unpadded part.
+struct ShardLayout {
+  int64_t padded = 0;       // the bucket's elements with the padding: world * shard_numel
+  int64_t shard_numel = 0;  // elements per shard (a multiple of align)
+  int64_t begin = 0;        // this rank's first element in the padded bucket
+  std::vector<ShardPiece> pieces;
+};
+
+// Rank `rank` of `world`'s shard of a bucket of `bucket_numel` elements whose slots start at
+// `offsets` and hold `numels` elements (in layout order, not overlapping, inside the bucket).
+// Raises, naming the argument, on a world size below 1, a rank outside [0, world), an align
+// below 1, or slots that do not fit the bucket.
+ShardLayout shard_layout(const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
+                         int64_t bucket_numel, int64_t align, int64_t world, int64_t rank);
+
+}  // namespace leanddp
