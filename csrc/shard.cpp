@@ -40,4 +40,24 @@ ShardLayout shard_layout(const std::vector<int64_t>& offsets, const std::vector<
   return layout;
 }
 
+c10::intrusive_ptr<c10d::Work> reduce_to_shard(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                               at::Tensor flat, const ShardLayout& layout) {
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous() && flat.numel() == layout.padded,
+              "reduce_to_shard: the bucket must be a contiguous 1-D tensor of ", layout.padded,
+              " elements (the padded bucket), got sizes ", flat.sizes());
+  TORCH_CHECK(group->getSize() * layout.shard_numel == layout.padded,
+              "reduce_to_shard: the layout was cut for ", layout.padded / layout.shard_numel,
+              " ranks, the process group has ", group->getSize());
+  if (group->getBackendName() == "nccl") {
+    at::Tensor shard = flat.narrow(0, layout.begin, layout.shard_numel);
+    // (deprecated for reduce_scatter_single in recent torch; the old name is in every version)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    return group->_reduce_scatter_base(shard, flat);
+#pragma GCC diagnostic pop
+  }
+  std::vector<at::Tensor> tensors{flat};
+  return group->allreduce(tensors);
+}
+
 }  // namespace leanddp

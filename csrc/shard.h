@@ -8,6 +8,9 @@
 // A rank steps, and keeps optimizer state for, only the pieces of parameters inside its shard.
 #pragma once
 
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -37,5 +40,14 @@ struct ShardLayout {
 // below 1, or slots that do not fit the bucket.
 ShardLayout shard_layout(const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
                          int64_t bucket_numel, int64_t align, int64_t world, int64_t rank);
+
+// Starts reducing (summing) `flat`, the padded bucket (1-D, contiguous, `layout.padded`
+// elements), over `group`, so that this rank's shard, `flat`'s elements [begin, begin +
+// shard_numel), holds the sum once the work completes. NCCL: a reduce-scatter in place into that
+// slice (the rest of `flat` is left as it was). Other backends (gloo, whose reduce-scatter does
+// not take every dtype): an allreduce of the whole buffer, which reduces every shard; the caller
+// uses its own. Either way the result in the shard is the same sum.
+c10::intrusive_ptr<c10d::Work> reduce_to_shard(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                               at::Tensor flat, const ShardLayout& layout);
 
 }  // namespace leanddp
