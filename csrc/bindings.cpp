@@ -424,6 +424,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("bucket_numel"), py::arg("align"),
       "Test hook: reduce_to_shard (csrc/shard.h) of the padded bucket `flat` over the group, "
       "waited for.");
+  m.def(
+      "_pack_and_gather_shards",
+      [](const py::object& process_group, at::Tensor flat, const std::vector<int64_t>& offsets,
+         const std::vector<int64_t>& numels, int64_t bucket_numel, int64_t align,
+         const std::vector<at::Tensor>& sources) {
+        auto group = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+        const leanddp::ShardLayout layout = leanddp::shard_layout(
+            offsets, numels, bucket_numel, align, group->getSize(), group->getRank());
+        leanddp::pack_shard(flat, layout, sources);
+        auto work = leanddp::gather_shards(group, flat, layout);
+        py::gil_scoped_release no_gil;
+        work->wait();
+      },
+      py::arg("process_group"), py::arg("flat"), py::arg("offsets"), py::arg("numels"),
+      py::arg("bucket_numel"), py::arg("align"), py::arg("sources"),
+      "Test hook: pack_shard then gather_shards (csrc/shard.h) of the padded bucket `flat`, "
+      "waited for.");
   m.def("_offload_released_on_worker", &offload_released_on_worker,
         py::call_guard<py::gil_scoped_release>(),
         "Test hook: an offload worker that drops the last reference to its owner (its "

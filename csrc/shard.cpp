@@ -5,6 +5,20 @@
 #include <algorithm>
 
 namespace leanddp {
+namespace {
+
+// `flat` is the padded bucket of `layout`, cut for a group of `world` ranks.
+void check_padded(const char* what, const at::Tensor& flat, const ShardLayout& layout,
+                  int64_t world) {
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous() && flat.numel() == layout.padded, what,
+              ": the bucket must be a contiguous 1-D tensor of ", layout.padded,
+              " elements (the padded bucket), got sizes ", flat.sizes());
+  TORCH_CHECK(world * layout.shard_numel == layout.padded, what, ": the layout was cut for ",
+              layout.padded / std::max<int64_t>(layout.shard_numel, 1),
+              " ranks, the process group has ", world);
+}
+
+}  // namespace
 
 ShardLayout shard_layout(const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
                          int64_t bucket_numel, int64_t align, int64_t world, int64_t rank) {
@@ -42,12 +56,7 @@ ShardLayout shard_layout(const std::vector<int64_t>& offsets, const std::vector<
 
 c10::intrusive_ptr<c10d::Work> reduce_to_shard(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                                at::Tensor flat, const ShardLayout& layout) {
-  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous() && flat.numel() == layout.padded,
-              "reduce_to_shard: the bucket must be a contiguous 1-D tensor of ", layout.padded,
-              " elements (the padded bucket), got sizes ", flat.sizes());
-  TORCH_CHECK(group->getSize() * layout.shard_numel == layout.padded,
-              "reduce_to_shard: the layout was cut for ", layout.padded / layout.shard_numel,
-              " ranks, the process group has ", group->getSize());
+  check_padded("reduce_to_shard", flat, layout, group->getSize());
   if (group->getBackendName() == "nccl") {
     at::Tensor shard = flat.narrow(0, layout.begin, layout.shard_numel);
     // (deprecated for reduce_scatter_single in recent torch; the old name is in every version)
@@ -58,6 +67,34 @@ c10::intrusive_ptr<c10d::Work> reduce_to_shard(const c10::intrusive_ptr<c10d::Pr
   }
   std::vector<at::Tensor> tensors{flat};
   return group->allreduce(tensors);
+}
+
+void pack_shard(const at::Tensor& flat, const ShardLayout& layout,
+                const std::vector<at::Tensor>& sources) {
+  TORCH_CHECK(flat.dim() == 1 && flat.numel() == layout.padded,
+              "pack_shard: the bucket must be a 1-D tensor of ", layout.padded, " elements");
+  for (const ShardPiece& piece : layout.pieces) {
+    TORCH_CHECK(piece.slot < sources.size(), "pack_shard: no source for slot ", piece.slot);
+    const at::Tensor& source = sources[piece.slot];
+    TORCH_CHECK(source.dim() == 1 && source.scalar_type() == flat.scalar_type() &&
+                    source.numel() >= piece.slot_offset + piece.numel,
+                "pack_shard: the source of slot ", piece.slot, " must be a 1-D ",
+                flat.scalar_type(), " tensor of at least ", piece.slot_offset + piece.numel,
+                " elements, got ", source.scalar_type(), " ", source.sizes());
+    flat.narrow(0, layout.begin + piece.shard_offset, piece.numel)
+        .copy_(source.narrow(0, piece.slot_offset, piece.numel));
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> gather_shards(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                             at::Tensor flat, const ShardLayout& layout) {
+  check_padded("gather_shards", flat, layout, group->getSize());
+  at::Tensor shard = flat.narrow(0, layout.begin, layout.shard_numel);
+  // (deprecated for all_gather_single in recent torch; the old name is in every version)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  return group->_allgather_base(flat, shard);
+#pragma GCC diagnostic pop
 }
 
 }  // namespace leanddp

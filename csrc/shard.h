@@ -50,4 +50,17 @@ ShardLayout shard_layout(const std::vector<int64_t>& offsets, const std::vector<
 c10::intrusive_ptr<c10d::Work> reduce_to_shard(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                                at::Tensor flat, const ShardLayout& layout);
 
+// Writes this rank's pieces of the stepped weights into its shard of `flat` (the padded bucket):
+// the piece of slot s comes from `sources[s]`, the slot's parameter (or its float32 master, when
+// `flat` is float32) seen as 1-D in the slot's memory order, of `flat`'s dtype. The padding and
+// the other shards are left as they are.
+void pack_shard(const at::Tensor& flat, const ShardLayout& layout,
+                const std::vector<at::Tensor>& sources);
+
+// Starts gathering every rank's shard of `flat` into `flat` in place (an all-gather whose input
+// is this rank's shard of its output): once the work completes, every rank's `flat` holds rank
+// r's shard at [r * shard_numel, (r + 1) * shard_numel).
+c10::intrusive_ptr<c10d::Work> gather_shards(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                             at::Tensor flat, const ShardLayout& layout);
+
 }  // namespace leanddp

@@ -94,3 +94,33 @@ def test_reduce_to_shard_sums_each_ranks_shard(world_size: int) -> None:
     """gloo's path (an allreduce, the rank keeps its shard) against an all-gather and a sum,
     at 3 ranks with padding and slots cut by shard boundaries."""
     run_ranks(world_size, _reduce_to_shard)
+
+
+def _pack_and_gather(rank: int, world_size: int) -> None:
+    group = dist.new_group()
+    offsets, numels, bucket_numel = [0, 7, 20], [5, 13, 9], 29
+    layout = _C.shard_layout(offsets, numels, bucket_numel, 4, world_size, rank)
+    shard = layout["shard_numel"]
+    for dtype in (torch.float32, torch.bfloat16):
+        # this rank's weights: rank, slot and element in the value (exact in bfloat16)
+        sources = [
+            (rank * 64 + s * 8 + torch.arange(n) % 8).to(dtype) for s, n in enumerate(numels)
+        ]
+        flat = torch.full((layout["padded"],), -1.0, dtype=dtype)
+        _C._pack_and_gather_shards(group, flat, offsets, numels, bucket_numel, 4, sources)
+        for s, (offset, n) in enumerate(zip(offsets, numels, strict=True)):
+            owner = (offset + torch.arange(n)) // shard  # the rank whose shard holds the element
+            expected = (owner * 64 + s * 8 + torch.arange(n) % 8).to(dtype)
+            assert torch.equal(flat[offset : offset + n], expected), f"{dtype} slot {s}"
+    # a wrong source raises before any collective (on every rank alike), naming the slot
+    first_slot = layout["pieces"][0][0]
+    with pytest.raises(RuntimeError, match=f"the source of slot {first_slot} must be a 1-D"):
+        wrong = [t.double() for t in sources]
+        _C._pack_and_gather_shards(group, flat, offsets, numels, bucket_numel, 4, wrong)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gathered_shards_hold_each_owners_weights(world_size: int) -> None:
+    """Each rank packs its pieces of the weights into its shard; the in-place all-gather then
+    gives every rank the owner's values in every slot (gloo, 2 and 3 ranks)."""
+    run_ranks(world_size, _pack_and_gather)
