@@ -71,7 +71,14 @@ void allocate_bucket(Bucket& b, const std::vector<at::Tensor>& params, bool zero
   TORCH_CHECK(!b.sparse, "allocate_bucket: a sparse bucket has no flat storage");
   const at::Tensor& first = params.at(static_cast<size_t>(b.params.at(0)));
   const auto options = first.options().requires_grad(false);
-  b.flat = zeroed ? at::zeros({b.numel}, options) : at::empty({b.numel}, options);
+  if (b.padded_numel > b.numel) {
+    b.padded = zeroed ? at::zeros({b.padded_numel}, options) : at::empty({b.padded_numel}, options);
+    if (!zeroed) b.padded.narrow(0, b.numel, b.padded_numel - b.numel).zero_();
+    b.flat = b.padded.narrow(0, 0, b.numel);
+  } else {
+    b.flat = zeroed ? at::zeros({b.numel}, options) : at::empty({b.numel}, options);
+    b.padded = b.padded_numel > 0 ? b.flat : at::Tensor();  // (padded_numel == numel)
+  }
   b.views.clear();
   for (size_t k = 0; k < b.params.size(); ++k) {
     b.views.push_back(slice_like(b.flat, b.offsets[k], params[static_cast<size_t>(b.params[k])]));
@@ -83,6 +90,12 @@ at::Tensor slice_like(const at::Tensor& flat, int64_t offset, const at::Tensor& 
     return flat.as_strided(like.sizes(), like.strides(), flat.storage_offset() + offset);
   }
   return flat.narrow(0, offset, like.numel()).view(like.sizes());
+}
+
+at::Tensor memory_1d(const at::Tensor& t) {
+  TORCH_CHECK(t.is_non_overlapping_and_dense(), "memory_1d: the tensor of sizes ", t.sizes(),
+              " and strides ", t.strides(), " has gaps or overlaps");
+  return t.as_strided({t.numel()}, {1}, t.storage_offset());
 }
 
 at::Tensor in_memory_order_of(const at::Tensor& t, const at::Tensor& view) {
@@ -98,6 +111,7 @@ at::Tensor in_memory_order_of(const at::Tensor& t, const at::Tensor& view) {
 
 void release_bucket(Bucket& b) {
   b.flat = at::Tensor();
+  b.padded = at::Tensor();
   b.views.clear();
 }
 

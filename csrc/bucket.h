@@ -48,8 +48,17 @@ struct Bucket {
   // Sparse bucket: this rank's gradient from its launch, the reduced one once collected;
   // dropped when the iteration's state is reset.
   at::Tensor sparse_grad;
+  // shard_optimizer_state: `flat` rounded up to equal shards (shard.h), fixed like `numel`
+  // (0: no padding). The storage then holds `padded_numel` elements: `padded` sees them all,
+  // `flat` the first `numel`; the padding is zeroed at allocation and belongs to no parameter.
+  int64_t padded_numel = 0;
+  at::Tensor padded;
 
   bool allocated() const { return flat.defined(); }
+  // Bytes of the storage while allocated (padding included).
+  int64_t bytes() const {
+    return static_cast<int64_t>((padded.defined() ? padded : flat).nbytes());
+  }
 };
 
 // Lays out a bucket for `indices` (all of one device and dtype) and, if `allocate`, gives it
@@ -72,6 +81,10 @@ void release_bucket(Bucket& bucket);
 // `like`'s memory order, as a bucket view does), contiguous otherwise. Optimizer state views use
 // it too, so parameter, gradient and state share one memory order.
 at::Tensor slice_like(const at::Tensor& flat, int64_t offset, const at::Tensor& like);
+
+// `t` (dense and non-overlapping) as 1-D in its memory order: what a slice_like() view of it
+// holds in its flat buffer, element for element.
+at::Tensor memory_1d(const at::Tensor& t);
 
 // `t` (with `view`'s sizes) with its dims permuted so that its row-major order is `view`'s
 // memory order: flatten_into / unflatten_from of the result moves t's values into / out of the

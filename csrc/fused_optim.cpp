@@ -6,6 +6,7 @@
 
 #include <map>
 #include <optional>
+#include <utility>
 
 namespace leanddp {
 namespace {
@@ -99,7 +100,8 @@ void FusedOptimizer::ensure_state(size_t index, const Bucket& bucket, size_t buf
   auto& flats = flats_[index];
   if (flats.size() >= buffers) return;
   const auto options = state_options_.dtype(state_dtype(bucket));
-  while (flats.size() < buffers) flats.push_back(at::zeros({bucket.numel}, options));
+  const int64_t numel = sharded() ? shards_.at(index).shard_numel : bucket.numel;
+  while (flats.size() < buffers) flats.push_back(at::zeros({numel}, options));
   ++generation_;
 }
 
@@ -111,46 +113,81 @@ at::Tensor FusedOptimizer::state_view(size_t index, const Bucket& bucket, size_t
 
 void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<char>& mask,
                           const StepTargets& targets) {
+  size_t buffers = 0;
+  bool any = false;
+  for (size_t s = 0; s < bucket.params.size(); ++s) {
+    if (!mask[s]) continue;
+    any = true;
+    buffers = std::max(buffers, num_buffers(group_of_[static_cast<size_t>(bucket.params[s])]));
+  }
+  if (!any) return;
+  TORCH_CHECK(!sharded() || !targets.found_inf.defined(),
+              "FusedOptimizer: a sharded step takes no found_inf");
+  ensure_state(index, bucket, buffers);
+  // What one kernel list entry steps: a masked slot, or (sharded) its piece in this rank's
+  // shard, with its state at `state_offset` of the shard's buffers.
+  struct Member {
+    size_t slot;
+    at::Tensor param, grad, copy;
+    int64_t state_offset;
+  };
+  const bool with_copies = !targets.copies.empty();
+  std::vector<Member> members;
+  if (sharded()) {
+    for (const ShardPiece& piece : shards_.at(index).pieces) {
+      const size_t s = piece.slot;
+      if (!mask[s]) continue;
+      const auto cut = [&](const at::Tensor& t) {
+        return t.defined() ? memory_1d(t).narrow(0, piece.slot_offset, piece.numel) : t;
+      };
+      members.push_back({s, cut(targets.params[s]), cut(targets.grads[s]),
+                         with_copies ? cut(targets.copies[s]) : at::Tensor(), piece.shard_offset});
+    }
+  } else {
+    for (size_t s = 0; s < mask.size(); ++s) {
+      if (!mask[s]) continue;
+      members.push_back({s, targets.params[s], targets.grads[s],
+                         with_copies ? targets.copies[s] : at::Tensor(), -1});
+    }
+  }
+  const auto state_of = [&](const Member& m, size_t k) {
+    return m.state_offset < 0 ? state_view(index, bucket, m.slot, k)
+                              : flats_[index][k].narrow(0, m.state_offset, m.param.numel());
+  };
+  const auto param_of = [&](size_t s) { return static_cast<size_t>(bucket.params[s]); };
+  // found_inf (GradScaler, the NaN check) with Adam's counts on the parameters' device: they
+  // are advanced there before the kernel reads them and taken back where found_inf is set,
+  // as torch's fused Adam does. Counts on the host (a plain Adam on a GPU under the NaN
+  // check) are advanced here and taken back by unstep().
+  const auto device_steps = [&](size_t p) {
+    return kind_ == OptimKind::kAdam && targets.found_inf.defined() && counts_beside(p);
+  };
   // Members sharing a group and (Adam) a step count, or (SGD) whether their momentum buffer is
   // fresh, are stepped by one kernel launch.
   std::map<std::pair<int64_t, int64_t>, std::vector<size_t>> calls;
-  size_t buffers = 0;
-  for (size_t s = 0; s < bucket.params.size(); ++s) {
-    if (!mask[s]) continue;
-    const auto p = static_cast<size_t>(bucket.params[s]);
-    const int64_t g = group_of_[p];
-    buffers = std::max(buffers, num_buffers(g));
+  for (size_t m = 0; m < members.size(); ++m) {
+    const size_t p = param_of(members[m].slot);
     const int64_t key = kind_ == OptimKind::kAdam ? steps_[p] + 1 : int64_t{steps_[p] == 0};
-    calls[{g, key}].push_back(s);
+    calls[{group_of_[p], key}].push_back(m);
   }
-  if (calls.empty()) return;
-  ensure_state(index, bucket, buffers);
-  std::vector<at::Tensor> counters;
-  for (const auto& [key, slots] : calls) {
+  for (const auto& [key, chosen] : calls) {
     const OptimHyper& h = groups_[static_cast<size_t>(key.first)];
     const size_t nbuf = num_buffers(key.first);
     std::vector<at::Tensor> params, grads, copies;
     std::vector<std::vector<at::Tensor>> state(nbuf);
-    for (size_t s : slots) {
-      params.push_back(targets.params[s]);
-      grads.push_back(targets.grads[s]);
-      if (!targets.copies.empty() && targets.copies[s].defined()) {
-        copies.push_back(targets.copies[s]);
-      }
-      for (size_t k = 0; k < nbuf; ++k) state[k].push_back(state_view(index, bucket, s, k));
+    for (size_t m : chosen) {
+      params.push_back(members[m].param);
+      grads.push_back(members[m].grad);
+      if (members[m].copy.defined()) copies.push_back(members[m].copy);
+      for (size_t k = 0; k < nbuf; ++k) state[k].push_back(state_of(members[m], k));
     }
     TORCH_CHECK(copies.empty() || copies.size() == params.size(),
                 "FusedOptimizer: low-precision copies for some members of a call only");
-    // found_inf (GradScaler, the NaN check) with Adam's counts on the parameters' device: they
-    // are advanced there before the kernel reads them and taken back where found_inf is set,
-    // as torch's fused Adam does. Counts on the host (a plain Adam on a GPU under the NaN
-    // check) are advanced here and taken back by unstep().
-    const bool device_steps = kind_ == OptimKind::kAdam && targets.found_inf.defined() &&
-                              counts_beside(static_cast<size_t>(bucket.params[slots[0]]));
+    const bool on_device = device_steps(param_of(members[chosen[0]].slot));
     std::vector<at::Tensor> steps;
-    if (device_steps) {
-      for (size_t s : slots) {
-        at::Tensor& step = step_tensors_[static_cast<size_t>(bucket.params[s])];
+    if (on_device) {
+      for (size_t m : chosen) {
+        at::Tensor& step = step_tensors_[param_of(members[m].slot)];
         if (!step.defined()) {
           step = at::zeros({}, at::TensorOptions(at::kFloat).device(step_device_));
         }
@@ -164,20 +201,22 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
       sgd_step(params, grads, nbuf ? state[0] : std::vector<at::Tensor>{}, copies, h,
                key.second != 0, targets);
     }
-    if (device_steps) at::_foreach_add_(steps, targets.found_inf, -1);
-    for (size_t s : slots) {
-      const auto p = static_cast<size_t>(bucket.params[s]);
-      // As torch's in-place ops do: a tensor autograd saved from this parameter is now stale,
-      // and autograd raises if a node that has not run yet still needs it.
-      torch::autograd::impl::bump_version(targets.params[s]);
-      if (steps_[p]++ == 0) ++generation_;  // a parameter's state appears
-      if (kind_ != OptimKind::kAdam || device_steps) continue;
-      if (step_tensors_[p].defined()) {
-        counters.push_back(step_tensors_[p]);
-      } else {
-        step_tensors_[p] =
-            at::scalar_tensor(1.0, at::TensorOptions(at::kFloat).device(step_device_));
-      }
+    if (on_device) at::_foreach_add_(steps, targets.found_inf, -1);
+  }
+  // Every masked member counts the step (sharded: whether or not a piece of it is here).
+  std::vector<at::Tensor> counters;
+  for (size_t s = 0; s < mask.size(); ++s) {
+    if (!mask[s]) continue;
+    const size_t p = param_of(s);
+    // As torch's in-place ops do: a tensor autograd saved from this parameter is now stale,
+    // and autograd raises if a node that has not run yet still needs it.
+    torch::autograd::impl::bump_version(targets.params[s]);
+    if (steps_[p]++ == 0) ++generation_;  // a parameter's state appears
+    if (kind_ != OptimKind::kAdam || device_steps(p)) continue;
+    if (step_tensors_[p].defined()) {
+      counters.push_back(step_tensors_[p]);
+    } else {
+      step_tensors_[p] = at::scalar_tensor(1.0, at::TensorOptions(at::kFloat).device(step_device_));
     }
   }
   if (!counters.empty()) at::_foreach_add_(counters, 1.0);
@@ -193,15 +232,33 @@ void FusedOptimizer::unstep(size_t p) {
   }
 }
 
+void FusedOptimizer::copy_in(size_t index, const Bucket& bucket, size_t slot, size_t k,
+                             const at::Tensor& values) {
+  if (!sharded()) {
+    memory_1d(state_view(index, bucket, slot, k)).copy_(values);
+    return;
+  }
+  for (const ShardPiece& piece : shards_.at(index).pieces) {
+    if (piece.slot != slot) continue;
+    flats_[index][k]
+        .narrow(0, piece.shard_offset, piece.numel)
+        .copy_(values.narrow(0, piece.slot_offset, piece.numel));
+  }
+}
+
 void FusedOptimizer::relayout(const std::vector<Bucket>& old_buckets,
-                              const std::vector<Bucket>& new_buckets) {
+                              const std::vector<Bucket>& new_buckets,
+                              const std::vector<std::vector<at::Tensor>>& old_full) {
+  TORCH_CHECK(!sharded() || old_full.size() == old_buckets.size(),
+              "FusedOptimizer: a sharded relayout needs the old state gathered whole");
   std::vector<std::pair<size_t, size_t>> old_at(params_.size(), {SIZE_MAX, 0});
   for (size_t b = 0; b < old_buckets.size(); ++b) {
     for (size_t s = 0; s < old_buckets[b].params.size(); ++s) {
       old_at[static_cast<size_t>(old_buckets[b].params[s])] = {b, s};
     }
   }
-  std::vector<std::vector<at::Tensor>> old_flats = std::move(flats_);
+  const std::vector<std::vector<at::Tensor>> old_flats =
+      sharded() ? old_full : std::exchange(flats_, {});
   flats_.assign(new_buckets.size(), {});
   for (size_t b = 0; b < new_buckets.size(); ++b) {
     const Bucket& bucket = new_buckets[b];
@@ -213,30 +270,46 @@ void FusedOptimizer::relayout(const std::vector<Bucket>& old_buckets,
     if (buffers == 0) continue;
     ensure_state(b, bucket, buffers);
     for (size_t s = 0; s < bucket.params.size(); ++s) {
-      const auto [ob, os] = old_at[static_cast<size_t>(bucket.params[s])];
+      const auto p = static_cast<size_t>(bucket.params[s]);
+      const auto [ob, os] = old_at[p];
       if (ob >= old_flats.size()) continue;
       for (size_t k = 0; k < old_flats[ob].size(); ++k) {
-        const Bucket& old_bucket = old_buckets[ob];
-        const at::Tensor& p = params_[static_cast<size_t>(bucket.params[s])];
-        state_view(b, bucket, s, k).copy_(slice_like(old_flats[ob][k], old_bucket.offsets[os], p));
+        const int64_t offset = old_buckets[ob].offsets[os];
+        copy_in(b, bucket, s, k, old_flats[ob][k].narrow(0, offset, params_[p].numel()));
       }
     }
   }
   ++generation_;
 }
 
+const std::vector<at::Tensor>& FusedOptimizer::state_buffers(size_t index, const Bucket& bucket) {
+  size_t buffers = 0;
+  for (int64_t p : bucket.params) {
+    buffers = std::max(buffers, num_buffers(group_of_[static_cast<size_t>(p)]));
+  }
+  ensure_state(index, bucket, buffers);
+  return flats_[index];
+}
+
 std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state(size_t p, size_t index,
                                                                       const Bucket& bucket,
                                                                       size_t slot) const {
+  if (sharded() || index >= flats_.size()) return {};
+  return state_from(p, flats_[index], bucket.offsets[slot]);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state_from(
+    size_t p, const std::vector<at::Tensor>& full, int64_t offset) const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   const size_t nbuf = num_buffers(group_of_[p]);
-  if (steps_[p] == 0 || index >= flats_.size() || flats_[index].size() < nbuf) return out;
+  if (steps_[p] == 0 || full.size() < nbuf) return out;
+  const auto view = [&](size_t k) { return slice_like(full[k], offset, params_[p]); };
   if (kind_ == OptimKind::kAdam) {
     out.emplace_back("step", step_tensors_[p]);
-    out.emplace_back("exp_avg", state_view(index, bucket, slot, 0));
-    out.emplace_back("exp_avg_sq", state_view(index, bucket, slot, 1));
+    out.emplace_back("exp_avg", view(0));
+    out.emplace_back("exp_avg_sq", view(1));
   } else if (nbuf == 1) {
-    out.emplace_back("momentum_buffer", state_view(index, bucket, slot, 0));
+    out.emplace_back("momentum_buffer", view(0));
   }
   return out;
 }
@@ -248,11 +321,24 @@ void FusedOptimizer::load_state(size_t p, size_t index, const Bucket& bucket, si
   ++generation_;
   steps_[p] = step;
   step_tensors_[p] = at::Tensor();
-  if (step == 0) return;
+  if (step == 0) {
+    // Sharded, the state is never handed out, so a fresh start zeroes it here (the first step
+    // reads the moments as zeros).
+    if (sharded() && index < flats_.size()) {
+      for (size_t k = 0; k < flats_[index].size(); ++k) {
+        copy_in(index, bucket, slot, k,
+                at::zeros({params_[p].numel()}, flats_[index][k].options()));
+      }
+    }
+    return;
+  }
   TORCH_CHECK(values.size() == nbuf, "FusedOptimizer: expected ", nbuf, " state tensors, got ",
               values.size());
   ensure_state(index, bucket, nbuf);
-  for (size_t k = 0; k < nbuf; ++k) state_view(index, bucket, slot, k).copy_(values[k]);
+  for (size_t k = 0; k < nbuf; ++k) {
+    // The value in the parameter's memory order, as the state holds it.
+    copy_in(index, bucket, slot, k, in_memory_order_of(values[k], params_[p]).reshape({-1}));
+  }
   if (kind_ == OptimKind::kAdam) {
     step_tensors_[p] = at::scalar_tensor(static_cast<double>(step),
                                          at::TensorOptions(at::kFloat).device(step_device_));

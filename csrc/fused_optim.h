@@ -9,6 +9,12 @@
 // `step` tensor (Adam). Python exposes the per-parameter views as the `state` of the user's torch
 // optimizer, so checkpoints have torch's format.
 //
+// With shard_optimizer_state (set_shards) each bucket's state covers only this rank's shard of
+// the bucket (shard.h): one flat buffer of shard_numel elements per state kind, and a step
+// steps only the pieces of its members inside the shard (the reduced gradient is valid there).
+// Step counts are kept for every member on every rank, so they agree everywhere. state() is
+// then empty; the Reducer gathers the shards (state_buffers, state_from) for torch's format.
+//
 // With offload_to_cpu (`on_host`) the same code steps the fp32 master weights in host memory:
 // the state lives in ordinary host memory (it never crosses PCIe), float32 whatever
 // the parameters' dtype, and the caller says what is stepped (StepTargets).
@@ -18,6 +24,7 @@
 #pragma once
 
 #include "bucket.h"
+#include "shard.h"
 
 #include <ATen/ATen.h>
 
@@ -85,14 +92,30 @@ class FusedOptimizer {
   bool counts_beside(size_t p) const;
   // Steps the members of bucket `index` whose `mask[slot]` is set (all of which can_step):
   // `targets` per slot; allocates the bucket's state at its first step. Bumps the version
-  // counters of the tensors stepped, as torch's in-place ops do.
+  // counters of the tensors stepped, as torch's in-place ops do. Sharded: only the pieces in
+  // this rank's shard are stepped (no found_inf then), every masked member's count advances.
   void step(size_t index, const Bucket& bucket, const std::vector<char>& mask,
             const StepTargets& targets);
   // Takes back the count of one step of parameter p whose kernel the device skipped (its
   // found_inf was set): the step that comes next is counted as this one was.
   void unstep(size_t p);
-  // The buckets were rebuilt: moves the state into the new layout.
-  void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);
+  // The buckets were rebuilt: moves the state into the new layout. Sharded (set_shards was
+  // given the new buckets' shards first): `old_full[b]` holds old bucket b's state buffers
+  // gathered whole (every rank's shard, padded), from which this rank takes its new pieces.
+  void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets,
+                const std::vector<std::vector<at::Tensor>>& old_full = {});
+  // shard_optimizer_state: this rank's shard of each bucket (empty: the state is whole). Set
+  // before the first step, and before relayout() with the new buckets' shards.
+  void set_shards(std::vector<ShardLayout> shards) { shards_ = std::move(shards); }
+  bool sharded() const { return !shards_.empty(); }
+  // Bucket `index`'s state buffers (this rank's shard of them when sharded), created (zeroed)
+  // if missing: as many as its members' groups need, the same number on every rank.
+  const std::vector<at::Tensor>& state_buffers(size_t index, const Bucket& bucket);
+  // Parameter p's entries in torch's format (as state()) from whole state buffers `full` of
+  // its bucket, p's slice starting at `offset`: the gathered shards of a sharded state.
+  std::vector<std::pair<std::string, at::Tensor>> state_from(size_t p,
+                                                             const std::vector<at::Tensor>& full,
+                                                             int64_t offset) const;
 
   // torch's state entries of parameter p (slot `slot` of bucket `index`), in torch's key order;
   // empty before its first step.
@@ -110,6 +133,9 @@ class FusedOptimizer {
   size_t num_buffers(int64_t group) const;  // state buffers a parameter of this group needs
   void ensure_state(size_t index, const Bucket& bucket, size_t buffers);
   at::Tensor state_view(size_t index, const Bucket& bucket, size_t slot, size_t k) const;
+  // Writes `values`, slot `slot`'s state of kind k as 1-D in the parameter's memory order, into
+  // the state (only this rank's pieces of it when sharded).
+  void copy_in(size_t index, const Bucket& bucket, size_t slot, size_t k, const at::Tensor& values);
 
   OptimKind kind_;
   std::vector<at::Tensor> params_;  // fixed
@@ -120,6 +146,7 @@ class FusedOptimizer {
   at::ScalarType state_dtype(const Bucket& bucket) const;
   bool on_host_ = false;
   std::vector<std::vector<at::Tensor>> flats_;  // per bucket: its state buffers (may be empty)
+  std::vector<ShardLayout> shards_;             // per bucket, sharded (else empty)
   std::vector<int64_t> steps_;                  // per parameter: updates taken
   std::vector<at::Tensor> step_tensors_;        // per parameter (Adam): torch's `step`
   int64_t generation_ = 0;

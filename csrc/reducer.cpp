@@ -50,6 +50,11 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                 "leanddp.DistributedDataParallel: parameter ", names_[i],
                 " gets sparse gradients, which optimizer_in_backward cannot step");
   }
+  TORCH_CHECK(!options_.shard_optimizer_state || options_.step_in_backward,
+              "leanddp.DistributedDataParallel: shard_optimizer_state needs optimizer_in_backward");
+  TORCH_CHECK(!options_.shard_optimizer_state || options_.nan_check == NanCheck::kOff,
+              "leanddp.DistributedDataParallel: check_for_nan_in_grad is not supported with "
+              "shard_optimizer_state");
   if (window_.device_ordered()) {
     const c10::Device device = params_.front().device();
     events_ = std::make_unique<EventPool>(device.type());
@@ -100,7 +105,7 @@ void Reducer::ensure_allocated(size_t bucket_index) {
   // Each slot is written before the bucket is read: a gradient copied or accumulated into its
   // view, or zeros at mark_ready for a parameter without one. So no zero fill here.
   allocate_bucket(bucket, params_, /*zeroed=*/false);
-  allocated_bytes_ += static_cast<int64_t>(bucket.flat.nbytes());
+  allocated_bytes_ += bucket.bytes();
   peak_bucket_bytes_ = std::max(peak_bucket_bytes_, allocated_bytes_ + unfinished_bytes_);
 }
 
@@ -112,7 +117,7 @@ void Reducer::release(size_t bucket_index) {
     view_since_sync_[static_cast<size_t>(p)] = 0;
   }
   if (!bucket.allocated()) return;
-  allocated_bytes_ -= static_cast<int64_t>(bucket.flat.nbytes());
+  allocated_bytes_ -= bucket.bytes();
   release_bucket(bucket);
 }
 
@@ -306,7 +311,11 @@ void Reducer::mark_ready(size_t index) {
       rethrow_collective_error("the reduction of which parameters are used");
     }
   }
-  if (in_hooks) advance_steps(StepWindow::Phase::kAfterHook, used);
+  // Sharded steps issue collectives (the all-gathers): they run only where the window forces
+  // them, the same on every rank, never when a reduction happens to be done.
+  if (in_hooks && !options_.shard_optimizer_state) {
+    advance_steps(StepWindow::Phase::kAfterHook, used);
+  }
 }
 
 void Reducer::launch(size_t bucket_index) {
@@ -370,7 +379,10 @@ void Reducer::launch(size_t bucket_index) {
   } else {
     std::vector<at::Tensor> tensors{bucket.flat};
     try {
-      works_[bucket_index] = process_group_->allreduce(tensors);
+      works_[bucket_index] =
+          options_.shard_optimizer_state
+              ? reduce_to_shard(process_group_, bucket.padded, shards_[bucket_index])
+              : process_group_->allreduce(tensors);
     } catch (...) {
       rethrow_collective_error("starting the reduction of bucket " + std::to_string(bucket_index));
     }
@@ -583,6 +595,9 @@ void Reducer::register_comm_hook(std::unique_ptr<CommHook> hook) {
               "leanddp.DistributedDataParallel: register_comm_hook may be called "
               "only once");
   check_before_first_backward("register_comm_hook may be called");
+  TORCH_CHECK(!options_.shard_optimizer_state,
+              "leanddp.DistributedDataParallel: register_comm_hook is not supported with "
+              "shard_optimizer_state (each bucket is reduce-scattered, not handed to a hook)");
   comm_hook_ = std::move(hook);
 }
 

@@ -19,6 +19,12 @@
 //   * either way at most ReducerOptions::buckets_in_flight buckets are launched but not finished:
 //     before another launch the oldest is stepped (waiting for its reduction) and, on a GPU, its
 //     step is waited for. Nothing else on the hot path waits for the device.
+// With shard_optimizer_state a bucket is reduce-scattered instead of allreduced, its step covers
+// this rank's shard, and the stepped shards are all-gathered back into the parameters as part of
+// the bucket's step (on the side stream on a GPU; the host waits for the gather on the CPU).
+// Its steps run only where the window forces them (before a launch when it is full, and at the
+// end of backward), never as reductions happen to complete: so every rank issues its
+// reduce-scatters and all-gathers in the same order on the one process group.
 // With offload_to_cpu (set_optimizer with a HostOffload) the step is handed to HostOffload
 // instead: on a GPU its device-to-host stream takes the side stream's place; the bucket is copied
 // to the host and released, and the next forward waits for the host steps (wait_for_steps).
@@ -37,6 +43,7 @@
 #include "fused_optim.h"
 #include "offload.h"
 #include "run_stats.h"
+#include "shard.h"
 #include "step_window.h"
 #include "stepper.h"
 #include "streams.h"
@@ -88,6 +95,11 @@ struct ReducerOptions {
   // optimizer_in_backward: most buckets launched but not yet stepped and finished (StepWindow).
   size_t buckets_in_flight = kBucketsInFlight;
   NanCheck nan_check = NanCheck::kOff;
+  // shard_optimizer_state (with step_in_backward and a fused optimizer): each bucket is padded
+  // to equal shards and reduce-scattered (shard.h); this rank steps, and keeps optimizer state
+  // for, its shard only, then the stepped shards are all-gathered into the parameters before
+  // the bucket is released. No communication hook, NaN check or GradScaler with it.
+  bool shard_optimizer_state = false;
 };
 
 // Bytes the Reducer accounts for (see Reducer::memory_stats()).
@@ -198,6 +210,10 @@ class Reducer {
   void load_optimizer_state(size_t p, int64_t step, const std::vector<at::Tensor>& values);
   // Changes when the fused optimizer's state tensors are created, moved or loaded.
   int64_t optimizer_generation() const;
+  // shard_optimizer_state: every parameter's fused optimizer state in torch's format, gathered
+  // from every rank's shard (a collective: every rank calls it, outside backward, and every
+  // rank gets the whole state); one entry per parameter, empty where it has none.
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> gathered_optimizer_state();
 
   MemoryStats memory_stats() const;
   // CUDA events created so far for ordering steps and copies (they are pooled: this stays
@@ -305,6 +321,16 @@ class Reducer {
   void check_before_first_backward(const char* what) const;
   void check_open(const char* what) const;  // raises once closed
   void release(size_t bucket_index);
+  // shard_optimizer_state: puts this rank's stepped pieces into its shard of bucket `index`,
+  // gathers every rank's shard and writes the bucket's weights into its parameters (on the
+  // current stream; on the CPU the host waits for the gather).
+  void gather_weights(size_t index);
+  // shard_optimizer_state: the fused optimizer's state buffers of bucket `index` of `buckets`
+  // (cut by `shards`) gathered whole, padded (a collective).
+  std::vector<at::Tensor> gather_state(const std::vector<Bucket>& buckets,
+                                       const std::vector<ShardLayout>& shards, size_t index);
+  // shard_optimizer_state: cuts the buckets into this rank's shards (build_buckets).
+  void cut_shards();
   // The fused optimizer, wherever it lives (null if none). With offload_to_cpu the worker must
   // be idle (wait_idle()).
   FusedOptimizer* fused_optimizer() const;
@@ -334,6 +360,7 @@ class Reducer {
   // Layout: replaced once by rebuild_buckets().
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> location_;  // param -> (bucket, slot)
+  std::vector<ShardLayout> shards_;  // shard_optimizer_state: this rank's shard of each bucket
   bool has_rebuilt_ = false;
   // The order in which gradients arrived in the backward the rebuild learns from (the first
   // synchronized one; a static graph's second), each parameter once.

@@ -19,8 +19,10 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
     }
     const bool sparse = indices.size() == 1 && expects_sparse(static_cast<size_t>(indices[0]));
     buckets_.push_back(make_bucket(params_, indices, !options_.step_in_backward, sparse));
-    if (buckets_.back().allocated()) allocated_bytes_ += buckets_.back().flat.nbytes();
+    if (buckets_.back().allocated()) allocated_bytes_ += buckets_.back().bytes();
   }
+  cut_shards();  // (shard_optimizer_state implies step_in_backward: nothing is allocated yet)
+  if (fused_) fused_->set_shards(shards_);
 }
 
 bool Reducer::rebuild_buckets() {
@@ -58,12 +60,20 @@ bool Reducer::rebuild_buckets() {
     seen[static_cast<size_t>(i)] = 1;
   }
   at::NoGradGuard no_grad;
+  // Sharded, a parameter's state may move to another rank: each old bucket's state is gathered
+  // whole first (a collective, in bucket order on every rank), and each rank keeps its pieces.
+  std::vector<std::vector<at::Tensor>> old_full;
+  if (fused_ && fused_->sharded()) {
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      old_full.push_back(gather_state(buckets_, shards_, b));
+    }
+  }
   const std::vector<Bucket> old_buckets = std::move(buckets_);
   build_buckets(assign_buckets(params_, order, options_.caps_bytes, options_.expect_sparse));
   if (offload_) {
     offload_->relayout(old_buckets, buckets_);
   } else if (fused_) {
-    fused_->relayout(old_buckets, buckets_);
+    fused_->relayout(old_buckets, buckets_, old_full);
   }
   if (options_.gradient_as_bucket_view) {
     for (size_t i = 0; i < n; ++i) {

@@ -78,6 +78,11 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
         other_grads.push_back(bucket.views[s]);
       }
     }
+    // (sharded, the reduced gradients are valid in this rank's shard only)
+    TORCH_CHECK(others.empty() || !options_.shard_optimizer_state,
+                "leanddp.DistributedDataParallel: shard_optimizer_state: parameter ",
+                names_[static_cast<size_t>(others.front())],
+                " cannot be stepped by the fused optimizer");
     if (offload_) {
       offload_->submit(index, bucket, mask);
     } else if (fused) {
@@ -105,6 +110,7 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
         }
       }
       fused->step(index, bucket, mask, targets);
+      if (options_.shard_optimizer_state) gather_weights(index);
     }
     // The per-bucket Python steps cannot read a device flag: with the device NaN check, the
     // host reads it first (a synchronization, only in buckets the fused kernels cannot step).
@@ -117,7 +123,7 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
   if (side) {
     // The bucket is released now; the caching allocator hands its memory out again only after
     // the side stream's work on it.
-    const int64_t bytes = static_cast<int64_t>(bucket.flat.nbytes());
+    const int64_t bytes = bucket.bytes();
     record_on_stream(bucket.flat, *side);
     finish_events_.emplace_back(events_->record(*side), bytes);
     unfinished_bytes_ += bytes;
@@ -135,9 +141,13 @@ void Reducer::set_optimizer(std::unique_ptr<FusedOptimizer> fused,
   TORCH_CHECK(!offload || (!fused && !fallback),
               "Reducer::set_optimizer: offload_to_cpu steps every bucket on the host");
   check_before_first_backward("the in-backward optimizer may be set");
+  TORCH_CHECK(!options_.shard_optimizer_state || (fused && !offload),
+              "leanddp.DistributedDataParallel: shard_optimizer_state steps every bucket with "
+              "the fused optimizer on the device");
   fused_ = std::move(fused);
   fallback_ = std::move(fallback);
   offload_ = std::move(offload);
+  if (fused_) fused_->set_shards(shards_);
   if (offload_) offload_->set_layout(buckets_);
   // The NaN check runs before the host steps: they wait for the end of backward.
   if (offload_ && options_.nan_check != NanCheck::kOff) offload_->hold_steps();
@@ -214,6 +224,8 @@ void Reducer::set_grad_scaler(at::Tensor scale, at::Tensor found_inf) {
   wait_idle(/*host_too=*/false, /*order_device=*/false);  // (the last backward's steps are queued)
   TORCH_CHECK(scale.defined() == found_inf.defined(),
               "Reducer::set_grad_scaler: scale and found_inf go together");
+  TORCH_CHECK(!scale.defined() || !options_.shard_optimizer_state,
+              "Reducer::set_grad_scaler: shard_optimizer_state does not take a GradScaler");
   TORCH_CHECK(!scale.defined() || !offload_,
               "Reducer::set_grad_scaler: offload_to_cpu does not take a GradScaler");
   TORCH_CHECK(!scale.defined() || options_.nan_check == NanCheck::kOff,

@@ -76,7 +76,8 @@ class InBackwardLockStep:
     """torch's DDP + ``factory``'s optimizer (+ an LR scheduler) against leanddp with
     ``optimizer_in_backward=factory`` (+ the same scheduler on ``ddp.optimizer``), each on its
     own process group. ``offload``: ours with offload_to_cpu=True; ``max_grad_norm``: ours
-    clips with it (offload), torch's side with clip_grad_norm_ before its step."""
+    clips with it (offload), torch's side with clip_grad_norm_ before its step. ``ours_kwargs``:
+    passed to leanddp's wrapper only (``ddp_kwargs`` to both)."""
 
     def __init__(
         self,
@@ -86,6 +87,7 @@ class InBackwardLockStep:
         offload: bool = False,
         max_grad_norm: float | None = None,
         offload_threads: int | None = None,
+        ours_kwargs: dict | None = None,
         **ddp_kwargs,
     ) -> None:
         self.ref = torch.nn.parallel.DistributedDataParallel(
@@ -105,6 +107,7 @@ class InBackwardLockStep:
                 if offload
                 else {}
             ),
+            **(ours_kwargs or {}),
             **ddp_kwargs,
         )
         self.max_grad_norm = max_grad_norm

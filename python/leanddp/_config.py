@@ -73,6 +73,9 @@ class DDPConfig:
     """Trainable parameters whose gradients are sparse tensors (torch's rule: parameters of
     ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``): each is reduced on its own as a
     sparse tensor, never a bucket view."""
+    shard_optimizer_state: bool = False
+    """optimizer_in_backward: each rank keeps and steps only its shard of every bucket's
+    optimizer state; buckets are reduce-scattered and the stepped shards all-gathered."""
     check_for_nan_in_grad: bool | str = False
     """Raise on every rank, at the end of backward, if a reduced gradient holds NaN or inf:
     True, or ``"strict"`` (with optimizer_in_backward on the device, the steps then wait for the
@@ -146,6 +149,36 @@ def _check_offload(kw: dict[str, Any]) -> tuple[bool, float | None, int]:
         None if max_norm is None else float(max_norm),
         (threads if threads is not None else default_offload_threads()),
     )
+
+
+def _check_shard(kw: dict[str, Any], offload: bool) -> bool:
+    shard = kw["shard_optimizer_state"]
+    if not isinstance(shard, bool):
+        _fail(f"shard_optimizer_state must be a bool, got {shard!r}", TypeError)
+    if not shard:
+        return False
+    if kw["optimizer_in_backward"] is None:
+        _fail(
+            "shard_optimizer_state=True needs optimizer_in_backward=<optimizer factory>: each "
+            "rank steps its shard of every bucket inside backward, so the wrapper must own the "
+            "optimizer (e.g. optimizer_in_backward=functools.partial(torch.optim.AdamW, lr=1e-3))"
+        )
+    if offload:
+        _fail(
+            "shard_optimizer_state=True with offload_to_cpu=True is not supported yet: "
+            "shard the state on the device, or offload the whole state to the host"
+        )
+    if kw["check_for_nan_in_grad"]:
+        _fail(
+            "check_for_nan_in_grad is not supported with shard_optimizer_state=True (each rank "
+            "holds only its shard of the reduced gradients)"
+        )
+    if kw["grad_scaler"] is not None:
+        _fail(
+            "grad_scaler is not supported with shard_optimizer_state=True (an overflow seen in "
+            "one rank's shard would skip the step on that rank only)"
+        )
+    return True
 
 
 def _fail(message: str, cls: type[Exception] = ValueError) -> None:
@@ -280,6 +313,7 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
             TypeError,
         )
     offload, max_grad_norm, offload_threads = _check_offload(kw)
+    shard = _check_shard(kw, offload)
     for name in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "init_sync"):
         if not isinstance(kw[name], bool):
             _fail(f"{name} must be a bool, got {kw[name]!r}", TypeError)
@@ -348,4 +382,5 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
         offload_threads=offload_threads,
         check_for_nan_in_grad=nan_check,
         sparse_names=sparse_names,
+        shard_optimizer_state=shard,
     )

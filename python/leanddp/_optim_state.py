@@ -42,6 +42,7 @@ class StateView:
         fused: Sequence[bool],
         group_of: Sequence[int],
         offload: bool,
+        sharded: bool = False,
     ) -> None:
         self.optimizer = optimizer
         self.kind = kind
@@ -50,6 +51,9 @@ class StateView:
         self.fused = fused
         self.group_of = group_of
         self.offload = offload
+        # shard_optimizer_state: no rank holds a parameter's whole state, so optimizer.state
+        # holds none (state_dict() gathers it); what code writes there is adopted, then dropped.
+        self.sharded = sharded
         self.generation = -1
         self.given: list[tuple[dict[str, Any], tuple[Any, ...]] | None] = [None] * len(params)
         # optimizer.state's entries and their values, in order, when it was last known to hold
@@ -71,7 +75,10 @@ class StateView:
             generation = reducer.optimizer_generation()
         state = self.state
         for i, p in enumerate(self.params):
-            if self.fused[i]:
+            if self.fused[i] and self.sharded:
+                state.pop(p, None)
+                self.given[i] = None
+            elif self.fused[i]:
                 entries = reducer.optimizer_state(i)
                 if entries:
                     entry = dict(entries)

@@ -101,6 +101,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         offload_threads: int | None = None,
         check_for_nan_in_grad: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
+        shard_optimizer_state: bool = False,
     ) -> None:
         nn.Module.__init__(self)
         config = check_arguments(
@@ -130,6 +131,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             offload_threads=offload_threads,
             check_for_nan_in_grad=check_for_nan_in_grad,
             grad_scaler=grad_scaler,
+            shard_optimizer_state=shard_optimizer_state,
         )
         self.module = module
         self._set_config(config)
@@ -142,7 +144,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             named = self._named_trainable
             optimizer, group_of = optim.build_optimizer(config.optimizer_in_backward, module, named)
             if config.offload_to_cpu:
-                optim.check_offload(optimizer, named)
+                optim.check_fused(optimizer, named, "offload_to_cpu", contiguous=True)
+            if config.shard_optimizer_state:
+                optim.check_fused(optimizer, named, "shard_optimizer_state", contiguous=False)
             self.optimizer = optimizer
             self._in_backward = optim.InBackward(
                 self,
@@ -154,6 +158,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 config.max_grad_norm,
                 grad_scaler,
                 [n for n, _ in named],
+                config.shard_optimizer_state,
             )
         if config.init_sync:
             verify_same_parameters(
@@ -242,6 +247,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self._config.nan_check,
             [name in sparse for name in self._param_names],
             list(self._config.initial_caps_bytes),
+            self._config.shard_optimizer_state,
         )
         # When the wrapper is collected or, at the latest, at interpreter exit (weakref.finalize
         # is an atexit hook too): the Reducer stops its offload worker and lets go of the process

@@ -27,6 +27,7 @@ scheduler changes and its ``state_dict()`` has exactly torch's format.
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import weakref
@@ -97,28 +98,31 @@ def build_optimizer(
 _MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_offload(
-    optimizer: torch.optim.Optimizer, trainable: Sequence[tuple[str, nn.Parameter]]
+def check_fused(
+    optimizer: torch.optim.Optimizer,
+    trainable: Sequence[tuple[str, nn.Parameter]],
+    what: str,
+    contiguous: bool,
 ) -> None:
-    """offload_to_cpu steps every parameter on the host with the fused kernels: raises a
-    ValueError naming what they cannot step (before any state changes)."""
+    """``what`` (offload_to_cpu, shard_optimizer_state) steps every parameter with the fused
+    kernels: raises a ValueError naming what they cannot step (before any state changes).
+    ``contiguous``: the parameters must be contiguous (else dense in some layout)."""
     if not fused_kind(optimizer):
         _fail(
-            f"offload_to_cpu steps on the host with leanddp's fused kernels, which cover "
-            f"torch.optim.SGD, Adam and AdamW (without amsgrad or differentiable); got "
-            f"{type(optimizer).__name__}"
+            f"{what} steps with leanddp's fused kernels, which cover torch.optim.SGD, Adam and "
+            f"AdamW (without amsgrad or differentiable); got {type(optimizer).__name__}"
             + (" with amsgrad or differentiable set" if fused_kind(type(optimizer)) else "")
         )
     for name, p in trainable:
         if p.dtype not in _MASTER_DTYPES:
             _fail(
-                f"offload_to_cpu steps float32, bfloat16 and float16 parameters (with float32 "
-                f"master weights); parameter {name!r} is {p.dtype}"
+                f"{what} steps float32, bfloat16 and float16 parameters; parameter {name!r} is "
+                f"{p.dtype}"
             )
-        if not p.is_contiguous():
+        if not (p.is_contiguous() if contiguous else _is_dense(p)):
             _fail(
-                f"offload_to_cpu needs contiguous parameters; parameter {name!r} has strides "
-                f"{p.stride()} (make it contiguous before wrapping)"
+                f"{what} needs {'contiguous' if contiguous else 'dense'} parameters; parameter "
+                f"{name!r} has strides {p.stride()} (make it contiguous before wrapping)"
             )
 
 
@@ -195,6 +199,7 @@ class InBackward:
         max_grad_norm: float | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         names: Sequence[str] | None = None,
+        sharded: bool = False,
     ) -> None:
         self._ddp = weakref.ref(ddp)  # the Reducer holds the optimizer: no cycle through C++
         self.optimizer = optimizer
@@ -225,7 +230,9 @@ class InBackward:
             self.fused,
             group_of,
             offload,
+            sharded,
         )
+        self.sharded = sharded
         self.fallback = _FallbackStepper(optimizer, self.cls, params, group_of)
         _make_facade(optimizer, self)
         guard_clipping(params)
@@ -301,8 +308,17 @@ class InBackward:
         reducer.set_optimizer_groups(self._hypers())  # the loaded groups (momentum on or off)
         self.view.load_all(reducer)
 
+    def gathered_state(self) -> dict[nn.Parameter, dict[str, Any]]:
+        """shard_optimizer_state: every parameter's state in torch's format, gathered from
+        every rank's shard (a collective: every rank calls it and gets the whole state)."""
+        entries = self.reducer.gathered_optimizer_state()
+        return {p: dict(e) for p, e in zip(self.params, entries, strict=True) if e}
+
     def state_bytes(self) -> int:
-        """Bytes of optimizer state (fused buffers and fallback state alike)."""
+        """Bytes of optimizer state (fused buffers and fallback state alike; this rank's
+        shard of it with shard_optimizer_state)."""
+        if self.sharded:
+            return self.reducer.memory_stats().optimizer_state_bytes
         self.sync_state()
         seen: dict[tuple[str, int], int] = {}
         for entry in self.optimizer.__dict__["state"].values():
@@ -450,6 +466,24 @@ def _facade_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None 
     return result
 
 
+def _facade_state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
+    """torch's ``state_dict()``. With shard_optimizer_state the state is first gathered from
+    every rank's shard: a collective, so every rank calls it (at the same point of the loop),
+    and every rank gets the whole state, loadable by the plain torch optimizer."""
+    link = self.__dict__.get("_leanddp_link")
+    base = _base_class(self)
+    if link is None or not link.sharded:
+        return base.state_dict(self)
+    held = self.__dict__["state"]
+    link.loading = True  # optimizer.state is the gathered one for the moment
+    try:
+        self.__dict__["state"] = collections.defaultdict(dict, link.gathered_state())
+        return base.state_dict(self)
+    finally:
+        self.__dict__["state"] = held
+        link.loading = False
+
+
 def _facade_add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
     raise NotImplementedError(
         "leanddp optimizer_in_backward: parameter groups cannot be added after wrapping; build "
@@ -481,6 +515,7 @@ def _make_facade(optimizer: torch.optim.Optimizer, link: InBackward) -> None:
                 "_step_supports_amp_scaling": True,  # GradScaler.step: see _facade_step
                 "step": _facade_step,
                 "add_param_group": _facade_add_param_group,
+                "state_dict": _facade_state_dict,
                 "state": property(_facade_state_get, _facade_state_set),
             },
         )

@@ -1,0 +1,95 @@
+// The Reducer's shard_optimizer_state paths (see reducer.h and shard.h): cutting the buckets into
+// this rank's shards, gathering the stepped weights back into the parameters, and gathering the
+// sharded optimizer state for checkpoints and for a bucket rebuild.
+#include "reducer.h"
+
+#include "op_calls.h"
+
+#include <c10/util/Exception.h>
+
+namespace leanddp {
+
+void Reducer::cut_shards() {
+  shards_.clear();
+  if (!options_.shard_optimizer_state) return;
+  const int64_t world = process_group_->getSize();
+  const int64_t rank = process_group_->getRank();
+  for (Bucket& bucket : buckets_) {
+    std::vector<int64_t> numels;
+    for (int64_t p : bucket.params) numels.push_back(params_[static_cast<size_t>(p)].numel());
+    // Shards start 16 bytes apart at least: aligned for the vector kernels and for NCCL.
+    const int64_t align = std::max<int64_t>(
+        1,
+        16 / static_cast<int64_t>(params_[static_cast<size_t>(bucket.params[0])].element_size()));
+    shards_.push_back(shard_layout(bucket.offsets, numels, bucket.numel, align, world, rank));
+    bucket.padded_numel = shards_.back().padded;
+  }
+}
+
+void Reducer::gather_weights(size_t index) {
+  Bucket& bucket = buckets_[index];
+  const ShardLayout& layout = shards_[index];
+  std::vector<at::Tensor> weights;
+  std::vector<at::Tensor> targets;
+  for (size_t s = 0; s < bucket.params.size(); ++s) {
+    const at::Tensor& param = params_[static_cast<size_t>(bucket.params[s])];
+    weights.push_back(memory_1d(param));
+    targets.push_back(in_memory_order_of(param, bucket.views[s]));
+  }
+  // The reduced gradients in the shard are consumed: the shard now carries the weights.
+  pack_shard(bucket.padded, layout, weights);
+  try {
+    // NCCL: the current (side) stream waits for the gather; the host does not.
+    gather_shards(process_group_, bucket.padded, layout)->wait();
+  } catch (...) {
+    rethrow_collective_error("gathering the stepped weights of bucket " + std::to_string(index) +
+                             " (" + join_names(names_, bucket.params) + ")");
+  }
+  // Every rank's pieces, this rank's own included (the same values), in one pass. The stepped
+  // members' version counters were bumped by their step; the others keep their values.
+  unflatten_from(bucket.flat, targets);
+}
+
+std::vector<at::Tensor> Reducer::gather_state(const std::vector<Bucket>& buckets,
+                                              const std::vector<ShardLayout>& shards,
+                                              size_t index) {
+  FusedOptimizer* fused = fused_optimizer();
+  const ShardLayout& layout = shards[index];
+  std::vector<at::Tensor> whole;
+  for (const at::Tensor& shard : fused->state_buffers(index, buckets[index])) {
+    at::Tensor full = at::zeros({layout.padded}, shard.options());
+    full.narrow(0, layout.begin, layout.shard_numel).copy_(shard);
+    try {
+      gather_shards(process_group_, full, layout)->wait();
+    } catch (...) {
+      rethrow_collective_error("gathering the optimizer state of bucket " + std::to_string(index));
+    }
+    whole.push_back(std::move(full));
+  }
+  return whole;
+}
+
+std::vector<std::vector<std::pair<std::string, at::Tensor>>> Reducer::gathered_optimizer_state() {
+  at::NoGradGuard no_grad;
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open("gathering the optimizer state");
+  TORCH_CHECK(!armed_,
+              "leanddp.DistributedDataParallel: the sharded optimizer state is gathered "
+              "between iterations, not during a backward");
+  FusedOptimizer* fused = fused_optimizer();
+  TORCH_CHECK(fused && fused->sharded(),
+              "Reducer: gathered_optimizer_state needs shard_optimizer_state");
+  wait_idle(/*host_too=*/true);
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> out(params_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const std::vector<at::Tensor> full = gather_state(buckets_, shards_, b);
+    const Bucket& bucket = buckets_[b];
+    for (size_t s = 0; s < bucket.params.size(); ++s) {
+      const auto p = static_cast<size_t>(bucket.params[s]);
+      out[p] = fused->state_from(p, full, bucket.offsets[s]);
+    }
+  }
+  return out;
+}
+
+}  // namespace leanddp
