@@ -199,7 +199,8 @@ void bind_reducer(py::module_& m) {
                        const py::object& process_group, std::vector<int64_t> caps_bytes,
                        bool gradient_as_bucket_view, bool find_unused_parameters, bool static_graph,
                        bool step_in_backward, int nan_check, std::vector<bool> expect_sparse,
-                       std::vector<int64_t> initial_caps_bytes, bool shard_optimizer_state) {
+                       std::vector<int64_t> initial_caps_bytes, bool shard_optimizer_state,
+                       std::optional<double> max_grad_norm) {
              TORCH_CHECK(nan_check >= 0 && nan_check <= 2, "Reducer: nan_check must be 0, 1 or 2");
              auto pg = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
              leanddp::ReducerOptions options;
@@ -212,6 +213,7 @@ void bind_reducer(py::module_& m) {
              options.expect_sparse = std::move(expect_sparse);
              options.initial_caps_bytes = std::move(initial_caps_bytes);
              options.shard_optimizer_state = shard_optimizer_state;
+             options.max_grad_norm = max_grad_norm;
              py::gil_scoped_release no_gil;
              return std::make_unique<Reducer>(std::move(params), std::move(names), std::move(pg),
                                               std::move(options));
@@ -221,7 +223,7 @@ void bind_reducer(py::module_& m) {
            py::arg("static_graph"), py::arg("step_in_backward") = false, py::arg("nan_check") = 0,
            py::arg("expect_sparse") = std::vector<bool>{},
            py::arg("initial_caps_bytes") = std::vector<int64_t>{},
-           py::arg("shard_optimizer_state") = false)
+           py::arg("shard_optimizer_state") = false, py::arg("max_grad_norm") = py::none())
       .def("prepare_for_forward", &Reducer::prepare_for_forward,
            py::call_guard<py::gil_scoped_release>())
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),

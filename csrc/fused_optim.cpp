@@ -4,6 +4,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
+#include <cmath>
 #include <map>
 #include <optional>
 #include <utility>
@@ -43,6 +45,12 @@ void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList moment
 }
 
 }  // namespace
+
+double clip_coefficient(double total_norm, double max_norm) {
+  const float denom = static_cast<float>(total_norm) + 1e-6f;
+  const float coef = (1.0f / denom) * static_cast<float>(max_norm);
+  return std::isnan(coef) ? coef : std::min(coef, 1.0f);
+}
 
 FusedOptimizer::FusedOptimizer(OptimKind kind, std::vector<at::Tensor> params,
                                std::vector<int64_t> group_of, std::vector<OptimHyper> groups,

@@ -72,6 +72,11 @@ struct StepTargets {
   at::Tensor found_inf;
 };
 
+// torch.nn.utils.clip_grad_norm_'s coefficient, in its float32 arithmetic:
+// clamp(max_norm / (total_norm + 1e-6), max=1), where float / tensor is reciprocal() * float.
+// It becomes StepTargets::grad_scale (max_grad_norm).
+double clip_coefficient(double total_norm, double max_norm);
+
 class FusedOptimizer {
  public:
   // `params`: the Reducer's parameters; `group_of[p]`: the parameter group of parameter p.

@@ -24,14 +24,6 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// torch.nn.utils.clip_grad_norm_'s coefficient, in its float32 arithmetic:
-// clamp(max_norm / (total_norm + 1e-6), max=1), where float / tensor is reciprocal() * float.
-double clip_coefficient(double total_norm, double max_norm) {
-  const float denom = static_cast<float>(total_norm) + 1e-6f;
-  const float coef = (1.0f / denom) * static_cast<float>(max_norm);
-  return std::isnan(coef) ? coef : std::min(coef, 1.0f);
-}
-
 }  // namespace
 
 HostOffload::HostOffload(std::vector<at::Tensor> params, std::unique_ptr<FusedOptimizer> optimizer,

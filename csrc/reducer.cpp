@@ -55,6 +55,9 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   TORCH_CHECK(!options_.shard_optimizer_state || options_.nan_check == NanCheck::kOff,
               "leanddp.DistributedDataParallel: check_for_nan_in_grad is not supported with "
               "shard_optimizer_state");
+  TORCH_CHECK(!options_.max_grad_norm || options_.shard_optimizer_state,
+              "Reducer: max_grad_norm (here) is for shard_optimizer_state; offload_to_cpu clips "
+              "on the host");
   if (window_.device_ordered()) {
     const c10::Device device = params_.front().device();
     events_ = std::make_unique<EventPool>(device.type());
@@ -152,6 +155,7 @@ void Reducer::reset_iteration_state() {
   nan_flags_armed_ = false;
   local_used_reduced_ = at::Tensor();
   local_used_work_.reset();
+  clip_scale_.reset();
   for (Bucket& b : buckets_) {
     b.pending = b.params.size();
     b.sparse_grad = at::Tensor();
@@ -450,6 +454,7 @@ void Reducer::finalize() {
         for (size_t b : unstepped) collect_reduced(b);
         check_finite(unstepped);  // before any step: a NaN leaves every weight as it was
       }
+      if (options_.max_grad_norm) clip_shards();
       advance_steps(StepWindow::Phase::kEnd, &used);  // (checks each bucket before its step)
       // The caller's stream (where the loop goes on after backward) sees the stepped weights;
       // the host does not wait. offload_to_cpu: the next forward waits for the host steps.

@@ -100,6 +100,10 @@ struct ReducerOptions {
   // for, its shard only, then the stepped shards are all-gathered into the parameters before
   // the bucket is released. No communication hook, NaN check or GradScaler with it.
   bool shard_optimizer_state = false;
+  // shard_optimizer_state: clip the gradients' global 2-norm to this (torch's clip_grad_norm_):
+  // the steps wait for the end of backward, where the squared norms of every rank's shards are
+  // summed by one allreduce of a scalar (on a GPU the host reads it: one synchronization).
+  std::optional<double> max_grad_norm;
 };
 
 // Bytes the Reducer accounts for (see Reducer::memory_stats()).
@@ -331,6 +335,9 @@ class Reducer {
                                        const std::vector<ShardLayout>& shards, size_t index);
   // shard_optimizer_state: cuts the buckets into this rank's shards (build_buckets).
   void cut_shards();
+  // max_grad_norm with shard_optimizer_state, at the end of backward (every bucket collected):
+  // the global norm from every rank's shards, and the coefficient the steps apply.
+  void clip_shards();
   // The fused optimizer, wherever it lives (null if none). With offload_to_cpu the worker must
   // be idle (wait_idle()).
   FusedOptimizer* fused_optimizer() const;
@@ -360,7 +367,9 @@ class Reducer {
   // Layout: replaced once by rebuild_buckets().
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> location_;  // param -> (bucket, slot)
-  std::vector<ShardLayout> shards_;  // shard_optimizer_state: this rank's shard of each bucket
+  std::vector<ShardLayout> shards_;   // shard_optimizer_state: this rank's shard of each bucket
+  std::optional<double> clip_scale_;  // this backward's clipping coefficient (max_grad_norm)
+  double grad_norm_ = -1;             // the last backward's global gradient norm (max_grad_norm)
   bool has_rebuilt_ = false;
   // The order in which gradients arrived in the backward the rebuild learns from (the first
   // synchronized one; a static graph's second), each parameter once.

@@ -7,6 +7,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <cmath>
+
 namespace leanddp {
 
 void Reducer::cut_shards() {
@@ -48,6 +50,26 @@ void Reducer::gather_weights(size_t index) {
   // Every rank's pieces, this rank's own included (the same values), in one pass. The stepped
   // members' version counters were bumped by their step; the others keep their values.
   unflatten_from(bucket.flat, targets);
+}
+
+void Reducer::clip_shards() {
+  // Each rank sums the squares of its shard of every bucket (the padding holds zeros, and so do
+  // the slots of parameters without a gradient): the sum over ranks is the whole sum once.
+  at::Tensor sum = at::zeros({}, params_.front().options().dtype(at::kDouble));
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    collect_reduced(b);
+    const ShardLayout& layout = shards_[b];
+    const at::Tensor shard = buckets_[b].padded.narrow(0, layout.begin, layout.shard_numel);
+    sum.add_(at::linalg_vector_norm(shard, 2, std::nullopt, false, at::kDouble).square());
+  }
+  std::vector<at::Tensor> tensors{sum};
+  try {
+    process_group_->allreduce(tensors)->wait();
+  } catch (...) {
+    rethrow_collective_error("the reduction of the gradients' norm (max_grad_norm)");
+  }
+  grad_norm_ = std::sqrt(sum.item<double>());
+  clip_scale_ = clip_coefficient(grad_norm_, *options_.max_grad_norm);
 }
 
 std::vector<at::Tensor> Reducer::gather_state(const std::vector<Bucket>& buckets,

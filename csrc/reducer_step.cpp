@@ -91,6 +91,7 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
         targets.params.push_back(params_[static_cast<size_t>(bucket.params[s])]);
       }
       targets.grads = bucket.views;
+      targets.grad_scale = clip_scale_;  // (max_grad_norm, sharded)
       if (amp_scale_.defined()) {
         // GradScaler: inf/NaN in the (scaled) gradients of this bucket sets found_inf, on the
         // device, as GradScaler's check for fused optimizers does; the kernels read it.
@@ -188,7 +189,10 @@ void Reducer::check_open(const char* what) const {
 
 OffloadStats Reducer::offload_stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return offload_ ? offload_->stats() : OffloadStats{};
+  if (offload_) return offload_->stats();
+  OffloadStats stats;
+  stats.grad_norm = options_.max_grad_norm ? grad_norm_ : -1;  // (shard_optimizer_state)
+  return stats;
 }
 
 void Reducer::wait_idle(bool host_too, bool order_device) const {

@@ -66,7 +66,8 @@ class DDPConfig:
     offload_to_cpu: bool = False
     """Optimizer state and float32 master weights in host memory, stepped there by a worker."""
     max_grad_norm: float | None = None
-    """offload_to_cpu: clip the gradients' global 2-norm to this, as clip_grad_norm_ would."""
+    """offload_to_cpu or shard_optimizer_state: clip the gradients' global 2-norm to this, as
+    clip_grad_norm_ would."""
     offload_threads: int = 1
     """offload_to_cpu: threads of the host optimizer step."""
     sparse_names: tuple[str, ...] = ()
@@ -132,12 +133,13 @@ def _check_offload(kw: dict[str, Any]) -> tuple[bool, float | None, int]:
             _fail(f"max_grad_norm must be a number, got {max_norm!r}", TypeError)
         if not (math.isfinite(max_norm) and max_norm > 0):
             _fail(f"max_grad_norm must be positive and finite, got {max_norm!r}")
-        if not offload:
+        if not offload and not kw["shard_optimizer_state"]:
             _fail(
-                "max_grad_norm needs optimizer_in_backward with offload_to_cpu=True: stepping "
-                "bucket by bucket on the device, a bucket is stepped before the global gradient "
-                "norm is known, so clipping could not be exact. Without optimizer_in_backward, "
-                "clip with torch.nn.utils.clip_grad_norm_ before optimizer.step() as usual"
+                "max_grad_norm needs optimizer_in_backward with offload_to_cpu=True or "
+                "shard_optimizer_state=True: stepping bucket by bucket on the device, a bucket "
+                "is stepped before the global gradient norm is known, so clipping could not be "
+                "exact. Without optimizer_in_backward, clip with "
+                "torch.nn.utils.clip_grad_norm_ before optimizer.step() as usual"
             )
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:

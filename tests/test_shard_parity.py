@@ -1,0 +1,216 @@
+"""shard_optimizer_state against torch's DDP followed by the same torch optimizer, in the same
+processes, on random data, over several steps: parameters within 1e-5 relative at world sizes 2
+and 3 (3 forces padding and parameters cut by shard boundaries, which the test checks happen),
+for SGD and Adam(W), parameter groups, an LR scheduler, no_sync accumulation, tiny buckets,
+unused parameters, static graphs, views off, global-norm clipping and bfloat16 parameters;
+and the optimizer state: 1/N of it per rank, and checkpoints interchanged with the plain torch
+optimizer in both directions.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_models import Net
+from dist_harness import run_ranks
+from in_backward_models import OPTIMIZERS, InBackwardLockStep, assert_params_close, scheduler
+from test_in_backward_lowp import _assert_close, _loss, _pair, _tolerance
+
+import leanddp
+from leanddp import _C
+
+STEPS = 5
+BATCH = 6
+SHARD = dict(shard_optimizer_state=True)
+
+
+def _cut_parameters(ddp: leanddp.DistributedDataParallel) -> int:
+    """How many parameter slots a shard boundary cuts (a piece on more than one rank)."""
+    world = dist.get_world_size(ddp.process_group)
+    params = ddp._params
+    cut = 0
+    for bucket in ddp.reducer.bucket_indices():
+        numels = [params[i].numel() for i in bucket]
+        offsets = list(itertools.accumulate([0, *numels[:-1]]))
+        align = 16 // params[bucket[0]].element_size()
+        owners: dict[int, int] = {}
+        for r in range(world):
+            layout = _C.shard_layout(offsets, numels, sum(numels), align, world, r)
+            for slot, _, _, _ in layout["pieces"]:
+                owners[slot] = owners.get(slot, 0) + 1
+        cut += sum(1 for n in owners.values() if n > 1)
+    return cut
+
+
+def _unsharded_state_bytes(ddp: leanddp.DistributedDataParallel, kind: str) -> int:
+    """Bytes of fused state a rank would hold unsharded (float32: 2 buffers for Adam, 1 for SGD
+    with momentum)."""
+    numel = sum(p.numel() for p in ddp._params)
+    return numel * 4 * (2 if kind == "adam" else 1)
+
+
+def _train(
+    run: InBackwardLockStep, what: str, accum: int, steps: int = STEPS, static: bool = False
+) -> None:
+    for step in range(steps):
+        # torch's DDP asserts when a static graph's first iteration runs under no_sync
+        n = 1 if static and step == 0 else accum
+        run.step([torch.randn(BATCH, 12) for _ in range(n)], legacy_calls=step % 2 == 1)
+        for p in run.ours.module.parameters():
+            assert p.grad is None, f"{what} step {step}: a gradient survived the in-backward step"
+        assert run.ours.memory_stats()["bucket_bytes"] == 0, f"{what}: buckets not released"
+        assert len(run.ours.optimizer.state) == 0, f"{what}: optimizer.state holds whole state"
+        assert_params_close(run, f"{what} step {step}")
+
+
+def _matrix(rank: int, world_size: int, names: list[str]) -> None:
+    for name, accum, tiny in itertools.product(names, (1, 3), (False, True)):
+        run = InBackwardLockStep(
+            Net(rank=rank, f64=False),
+            OPTIMIZERS[name],
+            bucket_cap_mb=0.0005 if tiny else None,
+            ours_kwargs=SHARD,
+        )
+        what = f"world={world_size} {name} accum={accum} tiny={tiny}"
+        _train(run, what, accum)
+        state = run.ours.memory_stats()["optimizer_state_bytes"]
+        kind = "adam" if "adam" in name else "sgd"
+        whole = _unsharded_state_bytes(run.ours, kind)
+        buckets = len(run.ours.reducer.bucket_indices())
+        pad = buckets * world_size * 4 * 4 * (2 if kind == "adam" else 1)  # 4 floats per rank
+        if "plain" not in name:
+            assert whole / world_size <= state <= whole / world_size + pad, (
+                f"{what}: {state} bytes of state on rank {rank}, whole {whole}"
+            )
+        if world_size == 3 and tiny:
+            assert _cut_parameters(run.ours) > 0, f"{what}: no parameter cut by a shard boundary"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    "names",
+    [["adamw", "sgd-nesterov"], ["adam", "sgd-dampening", "adamw-groups", "sgd-groups"]],
+    ids=["adamw-sgd", "more"],
+)
+def test_parity_with_torch_ddp_and_optimizer(world_size: int, names: list[str]) -> None:
+    run_ranks(world_size, _matrix, names)
+
+
+def _variants(rank: int, world_size: int) -> None:
+    variants = [
+        dict(gradient_as_bucket_view=False),
+        dict(find_unused_parameters=True, unused=True),
+        dict(static_graph=True, unused=True),
+        dict(bucket_cap_mb=0.0005, max_grad_norm=0.05),
+        dict(max_grad_norm=100.0),  # never clips: the coefficient is clamped to 1
+    ]
+    for kwargs, name, accum in itertools.product(variants, ("sgd-nesterov", "adamw"), (1, 3)):
+        kwargs = dict(kwargs)
+        unused = kwargs.pop("unused", False)
+        clip = kwargs.pop("max_grad_norm", None)
+        run = InBackwardLockStep(
+            Net(unused=unused, rank=rank, f64=False),
+            OPTIMIZERS[name],
+            max_grad_norm=clip,
+            ours_kwargs=dict(SHARD, max_grad_norm=clip),
+            **kwargs,
+        )
+        what = f"world={world_size} {name} {kwargs} unused={unused} clip={clip} accum={accum}"
+        _train(run, what, accum, static=kwargs.get("static_graph", False))
+        if clip is not None:
+            norm = run.ours.offload_stats()["grad_norm"]
+            assert norm == pytest.approx(run.ref_norm, rel=1e-5), f"{what}: norm {norm}"
+            if clip < 1:
+                assert run.ref_norm > clip, f"{what}: the case never clipped"
+        if unused:
+            assert rank != 0 or run.ours.module.branch.weight.grad is None
+            torch.testing.assert_close(run.ours.module.never.weight, run.ref.module.never.weight)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_unused_static_views_off_and_clipping(world_size: int) -> None:
+    run_ranks(world_size, _variants)
+
+
+def _bf16(rank: int, world_size: int) -> None:
+    """bfloat16 parameters, state in bfloat16 as torch's fused AdamW keeps it: within an ulp of
+    torch's fused AdamW, and bitwise equal to the unsharded in-backward steps."""
+    dtype = torch.bfloat16
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    factory = functools.partial(torch.optim.AdamW, **kw)
+    ours, ref, ref_opt = _pair(
+        dtype, "cpu", factory, functools.partial(torch.optim.AdamW, fused=True, **kw), **SHARD
+    )
+    whole, _, _ = _pair(dtype, "cpu", factory, factory)
+    ulps, bitwise = _tolerance("cpu", "adamw")
+    for step in range(STEPS):
+        x = torch.randn(6, 16, dtype=dtype)
+        for model in (ours, ref, whole):
+            _loss(model, x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _assert_close(ours.module, ref.module, dtype, f"bf16 step {step}", ulps, bitwise)
+        for (name, a), b in zip(ours.module.named_parameters(), whole.module.parameters()):
+            assert torch.equal(a, b), f"bf16 step {step}: {name} differs from the unsharded step"
+    gathered = ours.optimizer.state_dict()["state"]
+    assert gathered[0]["exp_avg"].dtype == dtype
+    expected = whole.optimizer.state_dict()["state"]
+    for index, entry in expected.items():
+        for key, value in entry.items():
+            assert torch.equal(gathered[index][key], value), f"bf16 state {index} {key}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bfloat16_parameters(world_size: int) -> None:
+    run_ranks(world_size, _bf16)
+
+
+def _checkpoints(rank: int, world_size: int, name: str) -> None:
+    # Sharded state gathered into torch's format: what torch's optimizer holds, and loadable
+    # into the plain torch optimizer, which then steps on as the sharded one does.
+    run = InBackwardLockStep(
+        Net(rank=rank, f64=False), OPTIMIZERS[name], bucket_cap_mb=0.0005, ours_kwargs=SHARD
+    )
+    _train(run, f"{name} before saving", accum=2, steps=3)
+    saved = run.ours.optimizer.state_dict()  # every rank calls it: a collective
+    expected = run.ref_opt.state_dict()
+    assert saved["param_groups"] == expected["param_groups"]
+    assert saved["state"].keys() == expected["state"].keys()
+    for index, entry in expected["state"].items():
+        assert saved["state"][index].keys() == entry.keys()
+        for key, value in entry.items():
+            torch.testing.assert_close(saved["state"][index][key], value, rtol=1e-5, atol=1e-6)
+    plain_model = copy.deepcopy(run.ours.module)
+    plain = OPTIMIZERS[name](plain_model.parameters())
+    plain.load_state_dict(saved)
+    assert len(run.ours.optimizer.state) == 0, "state_dict() left the gathered state behind"
+
+    # torch's checkpoint loaded into a fresh sharded wrapper (its state not created yet), which
+    # then trains on in lock step with torch's DDP.
+    fresh = leanddp.DistributedDataParallel(
+        copy.deepcopy(run.ref.module),
+        process_group=dist.new_group(),
+        optimizer_in_backward=OPTIMIZERS[name],
+        bucket_cap_mb=0.0005,
+        **SHARD,
+    )
+    fresh.optimizer.load_state_dict(run.ref_opt.state_dict())
+    assert len(fresh.optimizer.state) == 0, "load_state_dict() kept the whole state"
+    run.ours = fresh
+    run.scheds[1] = scheduler(fresh.optimizer)
+    run.scheds[1].load_state_dict(run.scheds[0].state_dict())
+    _train(run, f"{name} after loading torch's state", accum=1, steps=3)
+    resaved = fresh.optimizer.state_dict()["state"]
+    for index, entry in run.ref_opt.state_dict()["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(resaved[index][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_checkpoints_interchange_with_the_torch_optimizer(world_size: int) -> None:
+    run_ranks(world_size, _checkpoints, "adamw-groups")
