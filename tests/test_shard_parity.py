@@ -155,7 +155,8 @@ def _bf16(rank: int, world_size: int) -> None:
         ref_opt.step()
         ref_opt.zero_grad()
         _assert_close(ours.module, ref.module, dtype, f"bf16 step {step}", ulps, bitwise)
-        for (name, a), b in zip(ours.module.named_parameters(), whole.module.parameters()):
+        pairs = zip(ours.module.named_parameters(), whole.module.parameters(), strict=True)
+        for (name, a), b in pairs:
             assert torch.equal(a, b), f"bf16 step {step}: {name} differs from the unsharded step"
     gathered = ours.optimizer.state_dict()["state"]
     assert gathered[0]["exp_avg"].dtype == dtype
