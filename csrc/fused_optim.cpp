@@ -146,7 +146,8 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
       const size_t s = piece.slot;
       if (!mask[s]) continue;
       const auto cut = [&](const at::Tensor& t) {
-        return t.defined() ? memory_1d(t).narrow(0, piece.slot_offset, piece.numel) : t;
+        if (!t.defined() || targets.cut) return t;
+        return memory_1d(t).narrow(0, piece.slot_offset, piece.numel);
       };
       members.push_back({s, cut(targets.params[s]), cut(targets.grads[s]),
                          with_copies ? cut(targets.copies[s]) : at::Tensor(), piece.shard_offset});
@@ -218,7 +219,7 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
     const size_t p = param_of(s);
     // As torch's in-place ops do: a tensor autograd saved from this parameter is now stale,
     // and autograd raises if a node that has not run yet still needs it.
-    torch::autograd::impl::bump_version(targets.params[s]);
+    if (targets.params[s].defined()) torch::autograd::impl::bump_version(targets.params[s]);
     if (steps_[p]++ == 0) ++generation_;  // a parameter's state appears
     if (kind_ != OptimKind::kAdam || device_steps(p)) continue;
     if (step_tensors_[p].defined()) {

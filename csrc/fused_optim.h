@@ -63,10 +63,14 @@ struct OptimHyper {
 // device), the gradients are divided by the scale, and a nonzero `found_inf` makes the step do
 // nothing, read by the kernels themselves as torch's fused optimizers do: Adam's step counts
 // then live on the device and are not advanced by a skipped step.
+// Sharded (set_shards), the per-slot tensors are whole slots, cut into this rank's pieces by the
+// step; or, with `cut`, already this rank's piece of each slot as 1-D tensors (undefined for a
+// slot without one): HostOffload's host buffers hold the shard only.
 struct StepTargets {
   std::vector<at::Tensor> params;
   std::vector<at::Tensor> grads;
   std::vector<at::Tensor> copies;
+  bool cut = false;
   std::optional<double> grad_scale;
   at::Tensor amp_scale;
   at::Tensor found_inf;

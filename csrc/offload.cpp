@@ -83,7 +83,9 @@ void HostOffload::post(std::function<void()> task) {
   sync_->cv.notify_all();
 }
 
-void HostOffload::set_layout(const std::vector<Bucket>& buckets) {
+void HostOffload::set_layout(const std::vector<Bucket>& buckets, std::vector<ShardLayout> shards) {
+  TORCH_CHECK(shards.empty() || shards.size() == buckets.size(),
+              "HostOffload: one shard per bucket");
   layout_.clear();
   for (const Bucket& bucket : buckets) {
     Bucket plain;
@@ -99,6 +101,15 @@ void HostOffload::set_layout(const std::vector<Bucket>& buckets) {
     }
   }
   host_.assign(layout_.size(), HostBucket{});
+  piece_of_.assign(params_.size(), -1);
+  for (size_t b = 0; b < shards.size(); ++b) {
+    for (size_t k = 0; k < shards[b].pieces.size(); ++k) {
+      piece_of_[static_cast<size_t>(layout_[b].params[shards[b].pieces[k].slot])] =
+          static_cast<int64_t>(k);
+    }
+  }
+  shards_ = std::move(shards);
+  optimizer_->set_shards(shards_);
 }
 
 void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<char>& mask) {
@@ -110,7 +121,7 @@ void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<c
               "HostOffload: bucket ", index, " does not match the layout it was given");
   at::Tensor& grads = host_[index].grads;
   if (!grads.defined()) {
-    grads = at::empty({bucket.numel}, staging_options_.dtype(bucket.flat.scalar_type()));
+    grads = at::empty({extent(index)}, staging_options_.dtype(bucket.flat.scalar_type()));
   }
   Job job;
   job.index = index;
@@ -120,7 +131,10 @@ void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<c
   job.grads = grads;
   std::optional<c10::StreamGuard> guard;
   if (on_gpu_) guard.emplace(*d2h_stream_);
-  grads.copy_(bucket.flat, /*non_blocking=*/on_gpu_);
+  // Sharded: the shard, reduced there (the rest of the padded bucket is not).
+  grads.copy_(
+      shards_.empty() ? bucket.flat : bucket.padded.narrow(0, shards_[index].begin, extent(index)),
+      /*non_blocking=*/on_gpu_);
   // Masters of parameters someone else changed since our last write (or not made yet) are
   // read from the parameters through their pinned `weights` slots, in the same stream order as
   // the gradients (a float32 master is that slot; a low-precision one is upcast by the worker).
@@ -128,7 +142,8 @@ void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<c
     const auto p = static_cast<size_t>(bucket.params[s]);
     const at::Tensor& param = params_[p];
     if (masters_[p].defined() && param._version() == versions_[p]) continue;
-    weights_slot(p).copy_(param, /*non_blocking=*/on_gpu_);
+    const at::Tensor host = weights_slot(p);
+    if (host.defined()) host.copy_(part(p, param), /*non_blocking=*/on_gpu_);
     job.refresh[s] = low_precision(p);
     if (!low_precision(p)) ensure_master(p);  // a view of that slot
     versions_[p] = param._version();
@@ -141,13 +156,14 @@ void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<c
   sync_->cv.notify_all();
 }
 
-void HostOffload::end_iteration(bool completed) {
+void HostOffload::end_iteration(bool completed, std::optional<double> sum_squares) {
   {
     std::lock_guard<std::mutex> lock(sync_->mu);
     if (sync_->stop || error_) return;
     Job marker;
     marker.end = true;
     marker.completed = completed;
+    marker.sum_squares = sum_squares;
     queue_.push_back(std::move(marker));
   }
   sync_->cv.notify_all();
@@ -221,7 +237,7 @@ void HostOffload::process(Job& job) {
     return;
   }
   if (job.end) {
-    finish_iteration(job.completed);
+    finish_iteration(job.completed, job.sum_squares);
     return;
   }
   if (job.copied) job.copied->synchronize();
@@ -238,14 +254,19 @@ void HostOffload::process(Job& job) {
   held_.push_back(std::move(job));
 }
 
-void HostOffload::finish_iteration(bool completed) {
+double HostOffload::held_sum_squares() const {
+  std::lock_guard<std::mutex> lock(sync_->mu);
+  return sum_squares_;
+}
+
+void HostOffload::finish_iteration(bool completed, std::optional<double> total) {
   const std::vector<Job> held = std::exchange(held_, {});
   const double sum_squares = std::exchange(sum_squares_, 0.0);
   if (!completed) return;  // held buckets are dropped unstepped
   double grad_norm = -1;
   std::optional<double> coef;
   if (options_.max_grad_norm) {
-    grad_norm = std::sqrt(sum_squares);
+    grad_norm = std::sqrt(total.value_or(sum_squares));
     coef = clip_coefficient(grad_norm, *options_.max_grad_norm);
   }
   for (const Job& job : held) step_job(job, coef);
@@ -259,19 +280,19 @@ void HostOffload::step_job(const Job& job, std::optional<double> grad_scale) {
   const at::Tensor& weights = ensure_weights(job.index);
   for (size_t s = 0; s < layout.params.size(); ++s) {
     const auto p = static_cast<size_t>(layout.params[s]);
-    if (job.refresh[s]) ensure_master(p).copy_(weights_slot(p));
+    if (!job.refresh[s]) continue;
+    const at::Tensor& master = ensure_master(p);
+    if (master.defined()) master.copy_(weights_slot(p));  // (sharded: p may have no piece here)
   }
   StepTargets targets;
   targets.grad_scale = grad_scale;
+  targets.cut = !shards_.empty();  // (the host buffers hold the shard's pieces)
   for (size_t s = 0; s < layout.params.size(); ++s) {
     const auto p = static_cast<size_t>(layout.params[s]);
-    const at::Tensor& param = params_[p];
     targets.params.push_back(masters_[p]);
-    targets.grads.push_back(
-        job.grads.narrow(0, layout.offsets[s], param.numel()).view(param.sizes()));
+    targets.grads.push_back(slot(p, job.grads));
     if (low_precision(p)) {  // the kernel writes the rounded weights straight into `weights`
-      targets.copies.push_back(
-          weights.narrow(0, layout.offsets[s], param.numel()).view(param.sizes()));
+      targets.copies.push_back(slot(p, weights));
     }
   }
   optimizer_->step(job.index, layout, job.mask, targets);
@@ -286,34 +307,41 @@ void HostOffload::copy_back(const Job& job, const at::Tensor& weights) {
   std::optional<c10::StreamGuard> guard;
   if (on_gpu_) {  // one flat copy over PCIe, then one launch scatters it into the parameters
     guard.emplace(*h2d_stream_);
-    source = at::empty({layout.numel}, params_[0].options().requires_grad(false));
+    source = at::empty({extent(job.index)}, params_[0].options().requires_grad(false));
     source.copy_(weights, /*non_blocking=*/true);
   }
+  // What this rank stepped of each member: the parameter, or sharded its piece (their regions
+  // of `source` are consecutive from its start, in slot order, either way).
   std::vector<at::Tensor> targets;
+  std::vector<at::Tensor> present;
   bool all = true;
   for (size_t s = 0; s < layout.params.size(); ++s) {
+    const auto p = static_cast<size_t>(layout.params[s]);
+    targets.push_back(part(p, params_[p]));
+    if (!targets.back().defined()) continue;
     all = all && job.mask[s];
-    targets.push_back(params_[static_cast<size_t>(layout.params[s])]);
+    present.push_back(targets.back());
   }
   if (all) {
-    unflatten_from(source, targets);
+    unflatten_from(source, present);
   } else {
     for (size_t s = 0; s < targets.size(); ++s) {
-      if (!job.mask[s]) continue;  // not stepped (unused): the parameter keeps its value
-      targets[s].copy_(
-          source.narrow(0, layout.offsets[s], targets[s].numel()).view(targets[s].sizes()));
+      // not stepped (unused): the parameter keeps its value
+      if (!job.mask[s] || !targets[s].defined()) continue;
+      targets[s].copy_(slot(static_cast<size_t>(layout.params[s]), source));
     }
   }
   for (size_t s = 0; s < targets.size(); ++s) {
-    if (!job.mask[s]) continue;
+    if (!job.mask[s] || !targets[s].defined()) continue;
     // As an in-place op does: autograd then knows tensors it saved from the parameter are stale.
     if (all) torch::autograd::impl::bump_version(targets[s]);
-    versions_[static_cast<size_t>(layout.params[s])] = targets[s]._version();
+    versions_[static_cast<size_t>(layout.params[s])] = targets[s]._version();  // (shared)
   }
 }
 
 void HostOffload::relayout(const std::vector<Bucket>& old_buckets,
                            const std::vector<Bucket>& new_buckets) {
+  TORCH_CHECK(shards_.empty(), "HostOffload: a sharded layout is fixed");
   optimizer_->relayout(old_buckets, new_buckets);
   // Masters are views into the old buckets' blocks (kept alive by these views): copy them into
   // the new layout.
@@ -334,7 +362,8 @@ void HostOffload::load_master(size_t p, const at::Tensor& value) {
   const at::Tensor& param = params_[p];
   TORCH_CHECK(value.numel() == param.numel(), "offload_to_cpu: a master weight of ", value.numel(),
               " elements for a parameter of ", param.numel());
-  ensure_master(p).copy_(value.reshape(param.sizes()));
+  const at::Tensor master = ensure_master(p);
+  if (master.defined()) master.copy_(part(p, value.reshape(param.sizes())).view(master.sizes()));
   versions_[p] = param._version();
   ++generation_;
 }
@@ -342,15 +371,11 @@ void HostOffload::load_master(size_t p, const at::Tensor& value) {
 at::Tensor& HostOffload::ensure_master(size_t p) {
   if (!masters_[p].defined()) {
     if (low_precision(p)) {
-      at::Tensor& masters = host_[bucket_of(p)].masters;
-      if (!masters.defined()) {  // ordinary memory: never crosses PCIe
-        masters = at::empty({layout_[bucket_of(p)].numel}, at::TensorOptions(at::kFloat));
-      }
-      masters_[p] = slot(p, masters);
+      masters_[p] = slot(p, masters_block(bucket_of(p)));
     } else {
       masters_[p] = weights_slot(p);
     }
-    ++generation_;
+    if (masters_[p].defined()) ++generation_;
   }
   return masters_[p];
 }
@@ -363,17 +388,37 @@ size_t HostOffload::bucket_of(size_t p) const {
   return b;
 }
 
+at::Tensor HostOffload::masters_block(size_t b) {
+  at::Tensor& masters = host_[b].masters;
+  if (!masters.defined()) {  // ordinary memory: never crosses PCIe
+    masters = at::empty({extent(b)}, at::TensorOptions(at::kFloat));
+  }
+  return masters;
+}
+
 at::Tensor HostOffload::slot(size_t p, const at::Tensor& block) const {
   const auto [b, s] = location_[p];
   const at::Tensor& param = params_[p];
-  return block.narrow(0, layout_[b].offsets[s], param.numel()).view(param.sizes());
+  if (shards_.empty()) {
+    return block.narrow(0, layout_[b].offsets[s], param.numel()).view(param.sizes());
+  }
+  if (piece_of_[p] < 0) return at::Tensor();
+  const ShardPiece& piece = shards_[b].pieces[static_cast<size_t>(piece_of_[p])];
+  return block.narrow(0, piece.shard_offset, piece.numel);
+}
+
+at::Tensor HostOffload::part(size_t p, const at::Tensor& t) const {
+  if (shards_.empty()) return t;
+  if (piece_of_[p] < 0) return at::Tensor();
+  const ShardPiece& piece = shards_[bucket_of(p)].pieces[static_cast<size_t>(piece_of_[p])];
+  return t.reshape({-1}).narrow(0, piece.slot_offset, piece.numel);
 }
 
 at::Tensor& HostOffload::ensure_weights(size_t b) {
   at::Tensor& weights = host_[b].weights;
   if (!weights.defined()) {
     const at::Tensor& first = params_[static_cast<size_t>(layout_[b].params.front())];
-    weights = at::empty({layout_[b].numel}, staging_options_.dtype(first.scalar_type()));
+    weights = at::empty({extent(b)}, staging_options_.dtype(first.scalar_type()));
   }
   return weights;
 }

@@ -29,6 +29,13 @@
 // them the same way without clipping (the Reducer's NaN check decides at the end of backward
 // whether the iteration is completed or dropped).
 //
+// Sharded (shard_optimizer_state, set_layout with shards): the host holds this rank's shard of
+// each bucket only: the staging buffers, float32 masters and optimizer state are shard-sized,
+// the gradients copied to the host are the shard's (reduce-scattered), and the copy back writes
+// the stepped pieces into their parameters; the Reducer then gathers every rank's pieces. With
+// max_grad_norm the Reducer sums every rank's held_sum_squares() and hands the total to
+// end_iteration(). The layout is then fixed (no relayout).
+//
 // wait() is where the next forward (or anything reading parameters or state) waits: for the
 // worker to finish, then (GPU) the current stream waits for the host-to-device stream: the host
 // step overlaps the rest of backward and whatever the loop does between steps. On a CPU-only
@@ -43,6 +50,7 @@
 
 #include "bucket.h"
 #include "fused_optim.h"
+#include "shard.h"
 #include "streams.h"
 
 #include <ATen/ATen.h>
@@ -92,7 +100,8 @@ class HostOffload {
   HostOffload& operator=(const HostOffload&) = delete;
 
   // The buckets' layout (params, offsets, numel; storage unused): once before the first submit.
-  void set_layout(const std::vector<Bucket>& buckets);
+  // `shards` (sharded; else empty): this rank's shard of each bucket, given to the optimizer too.
+  void set_layout(const std::vector<Bucket>& buckets, std::vector<ShardLayout> shards = {});
   // GPU: the stream the device-to-host copies run on (the caller orders it after a bucket's
   // reduction before submit(), and records the bucket's memory on it before releasing it).
   c10::Stream d2h_stream() const { return *d2h_stream_; }
@@ -102,7 +111,15 @@ class HostOffload {
   void submit(size_t index, const Bucket& bucket, const std::vector<char>& mask);
   // Every bucket of this synchronized backward was submitted (clipping may now step them); or,
   // if not `completed`, the backward failed: buckets held for clipping are dropped unstepped.
-  void end_iteration(bool completed);
+  // `sum_squares`: clipping's sum of squared gradients over every rank's shard (sharded; else
+  // the worker's own sum over the buckets it holds).
+  void end_iteration(bool completed, std::optional<double> sum_squares = std::nullopt);
+  // Clipping, worker idle (after wait()): the sum of squared gradients of the buckets held.
+  double held_sum_squares() const;
+  bool clips() const { return options_.max_grad_norm.has_value(); }
+  // Sharded, worker idle: bucket b's float32 masters block (bfloat16/float16 buckets;
+  // allocated if missing, so that every rank has one to gather).
+  at::Tensor masters_block(size_t b);
   // Blocks until the worker is idle; then, on a GPU, the current stream waits for the copies
   // back (and the host too, if `host_too`: before the host buffers are read or written).
   // Rethrows (once) an error the worker met; its later jobs were dropped.
@@ -146,6 +163,7 @@ class HostOffload {
     std::function<void()> task;  // post(): run instead of a step
     bool end = false;            // marks the end of an iteration
     bool completed = true;       // (end) false: the iteration was abandoned
+    std::optional<double> sum_squares;  // (end) clipping's total over every rank
   };
   // One bucket's host buffers (see the top of this file), allocated at its first submit.
   struct HostBucket {
@@ -168,17 +186,26 @@ class HostOffload {
   void step_job(const Job& job, std::optional<double> grad_scale);
   // The updated `weights` of the job's bucket into the parameters of the slots it stepped.
   void copy_back(const Job& job, const at::Tensor& weights);
-  void finish_iteration(bool completed);
+  void finish_iteration(bool completed, std::optional<double> total);
   bool low_precision(size_t p) const { return params_[p].scalar_type() != at::kFloat; }
   bool holds() const { return hold_ || options_.max_grad_norm.has_value(); }
   // Parameter p's master, allocated at first use: a view into its bucket's `weights` (float32)
   // or `masters` (bf16/fp16).
   at::Tensor& ensure_master(size_t p);
-  // Parameter p's slot of its bucket's `weights` (allocated at first use).
+  // Parameter p's region of its bucket's `weights` (allocated at first use).
   at::Tensor weights_slot(size_t p);
-  // The bucket holding parameter p (checked), and p's slot of that bucket's flat `block`.
+  // The bucket holding parameter p (checked).
   size_t bucket_of(size_t p) const;
+  // What of parameter p this rank steps, within its bucket's flat host `block`: p's slot shaped
+  // like p; sharded, p's piece in this rank's shard, 1-D (undefined if p has none here).
   at::Tensor slot(size_t p, const at::Tensor& block) const;
+  // The same part of `t`, a tensor shaped like p (p itself, a checkpoint's value): `t`, or
+  // sharded its piece, 1-D in p's (contiguous) memory order (undefined if none here).
+  at::Tensor part(size_t p, const at::Tensor& t) const;
+  // Elements of bucket b's host buffers: the bucket's, or sharded its shard's.
+  int64_t extent(size_t b) const {
+    return shards_.empty() ? layout_[b].numel : shards_[b].shard_numel;
+  }
   // Bucket b's `weights` buffer, allocated at first use.
   at::Tensor& ensure_weights(size_t b);
 
@@ -196,7 +223,9 @@ class HostOffload {
   // The buckets' layout (set_layout, relayout) and, per parameter, its (bucket, slot).
   std::vector<Bucket> layout_;
   std::vector<std::pair<size_t, size_t>> location_;
-  std::vector<HostBucket> host_;  // per bucket (kept across iterations)
+  std::vector<ShardLayout> shards_;  // sharded: this rank's shard of each bucket
+  std::vector<int64_t> piece_of_;    // sharded, per parameter: its piece's index there, or -1
+  std::vector<HostBucket> host_;     // per bucket (kept across iterations)
   // Per parameter: the float32 master (undefined until its first step), and the parameter's
   // version counter after our last write (a different version means someone else changed it:
   // refresh the master).

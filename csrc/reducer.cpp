@@ -129,7 +129,9 @@ bool Reducer::tracks_unused() const {
 }
 
 bool Reducer::should_rebuild() const {
-  return !has_rebuilt_ && (options_.static_graph || !options_.find_unused_parameters);
+  // (offload_to_cpu with shard_optimizer_state keeps its first layout: see offload.h)
+  return !has_rebuilt_ && (options_.static_graph || !options_.find_unused_parameters) &&
+         !(options_.shard_optimizer_state && offload_);
 }
 
 void Reducer::reset_iteration_state() {
@@ -463,7 +465,11 @@ void Reducer::finalize() {
       }
       read_nan_flags();  // (device NaN check: after the wait, on the caller's stream)
       if (nan_bucket_ >= 0) raise_nonfinite(used);
-      if (offload_) offload_->end_iteration(/*completed=*/true);
+      if (offload_ && options_.shard_optimizer_state) {
+        finish_sharded_offload();
+      } else if (offload_) {
+        offload_->end_iteration(/*completed=*/true);
+      }
     } else {
       for (size_t b : unstepped) collect_reduced(b);
       if (options_.nan_check != NanCheck::kOff) check_finite(unstepped);

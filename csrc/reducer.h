@@ -335,6 +335,10 @@ class Reducer {
                                        const std::vector<ShardLayout>& shards, size_t index);
   // shard_optimizer_state: cuts the buckets into this rank's shards (build_buckets).
   void cut_shards();
+  // offload_to_cpu with shard_optimizer_state, at the end of backward: with max_grad_norm the
+  // global norm from every rank's held buckets; the host steps (the host waits for them), then
+  // every bucket's stepped pieces gathered into the parameters, one bucket allocated at a time.
+  void finish_sharded_offload();
   // max_grad_norm with shard_optimizer_state, at the end of backward (every bucket collected):
   // the global norm from every rank's shards, and the coefficient the steps apply.
   void clip_shards();

@@ -72,21 +72,54 @@ void Reducer::clip_shards() {
   clip_scale_ = clip_coefficient(grad_norm_, *options_.max_grad_norm);
 }
 
+void Reducer::finish_sharded_offload() {
+  std::optional<double> sum_squares;
+  if (offload_->clips()) {
+    offload_->wait(/*host_too=*/false);  // every bucket's squares taken (its step is held)
+    at::Tensor sum = at::scalar_tensor(offload_->held_sum_squares(),
+                                       params_.front().options().dtype(at::kDouble));
+    std::vector<at::Tensor> tensors{sum};
+    try {
+      process_group_->allreduce(tensors)->wait();
+    } catch (...) {
+      rethrow_collective_error("the reduction of the gradients' norm (max_grad_norm)");
+    }
+    sum_squares = sum.item<double>();
+  }
+  offload_->end_iteration(/*completed=*/true, sum_squares);
+  // The host steps and their copies into this rank's pieces (GPU: the current stream waits).
+  offload_->wait(/*host_too=*/false);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    ensure_allocated(b);
+    gather_weights(b);
+    release(b);
+  }
+}
+
 std::vector<at::Tensor> Reducer::gather_state(const std::vector<Bucket>& buckets,
                                               const std::vector<ShardLayout>& shards,
                                               size_t index) {
   FusedOptimizer* fused = fused_optimizer();
   const ShardLayout& layout = shards[index];
+  std::vector<at::Tensor> local = fused->state_buffers(index, buckets[index]);
+  const auto low = [this](const Bucket& bucket) {
+    return params_[static_cast<size_t>(bucket.params[0])].scalar_type() != at::kFloat;
+  };
+  // offload_to_cpu: a low-precision bucket's float32 masters too (last).
+  if (offload_ && low(buckets[index])) local.push_back(offload_->masters_block(index));
+  // Gathered on the parameters' device (the process group's), each buffer in turn, then kept
+  // where the state lives (the host, with offload_to_cpu).
+  const c10::Device device = params_.front().device();
   std::vector<at::Tensor> whole;
-  for (const at::Tensor& shard : fused->state_buffers(index, buckets[index])) {
-    at::Tensor full = at::zeros({layout.padded}, shard.options());
+  for (const at::Tensor& shard : local) {
+    at::Tensor full = at::zeros({layout.padded}, shard.options().device(device));
     full.narrow(0, layout.begin, layout.shard_numel).copy_(shard);
     try {
       gather_shards(process_group_, full, layout)->wait();
     } catch (...) {
       rethrow_collective_error("gathering the optimizer state of bucket " + std::to_string(index));
     }
-    whole.push_back(std::move(full));
+    whole.push_back(shard.device() == device ? std::move(full) : full.to(shard.device()));
   }
   return whole;
 }
@@ -109,6 +142,10 @@ std::vector<std::vector<std::pair<std::string, at::Tensor>>> Reducer::gathered_o
     for (size_t s = 0; s < bucket.params.size(); ++s) {
       const auto p = static_cast<size_t>(bucket.params[s]);
       out[p] = fused->state_from(p, full, bucket.offsets[s]);
+      const at::Tensor& param = params_[p];
+      if (offload_ && param.scalar_type() != at::kFloat && !out[p].empty()) {
+        out[p].emplace_back("master_weight", slice_like(full.back(), bucket.offsets[s], param));
+      }
     }
   }
   return out;

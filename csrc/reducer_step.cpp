@@ -142,14 +142,16 @@ void Reducer::set_optimizer(std::unique_ptr<FusedOptimizer> fused,
   TORCH_CHECK(!offload || (!fused && !fallback),
               "Reducer::set_optimizer: offload_to_cpu steps every bucket on the host");
   check_before_first_backward("the in-backward optimizer may be set");
-  TORCH_CHECK(!options_.shard_optimizer_state || (fused && !offload),
+  TORCH_CHECK(!options_.shard_optimizer_state || fused || offload,
               "leanddp.DistributedDataParallel: shard_optimizer_state steps every bucket with "
-              "the fused optimizer on the device");
+              "the fused optimizer");
+  TORCH_CHECK(!options_.max_grad_norm || !offload,
+              "Reducer: with offload_to_cpu, max_grad_norm is the host's (OffloadOptions)");
   fused_ = std::move(fused);
   fallback_ = std::move(fallback);
   offload_ = std::move(offload);
   if (fused_) fused_->set_shards(shards_);
-  if (offload_) offload_->set_layout(buckets_);
+  if (offload_) offload_->set_layout(buckets_, shards_);
   // The NaN check runs before the host steps: they wait for the end of backward.
   if (offload_ && options_.nan_check != NanCheck::kOff) offload_->hold_steps();
 }

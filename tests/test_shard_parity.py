@@ -2,9 +2,9 @@
 processes, on random data, over several steps: parameters within 1e-5 relative at world sizes 2
 and 3 (3 forces padding and parameters cut by shard boundaries, which the test checks happen),
 for SGD and Adam(W), parameter groups, an LR scheduler, no_sync accumulation, tiny buckets,
-unused parameters, static graphs, views off, global-norm clipping and bfloat16 parameters;
-and the optimizer state: 1/N of it per rank, and checkpoints interchanged with the plain torch
-optimizer in both directions.
+unused parameters, static graphs, views off, global-norm clipping and bfloat16 parameters,
+on the device and with offload_to_cpu (host state and masters); and the optimizer state: 1/N
+of it per rank, and checkpoints interchanged with the plain torch optimizer in both directions.
 """
 
 from __future__ import annotations
@@ -215,3 +215,88 @@ def _checkpoints(rank: int, world_size: int, name: str) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_checkpoints_interchange_with_the_torch_optimizer(world_size: int) -> None:
     run_ranks(world_size, _checkpoints, "adamw-groups")
+
+
+def _offload(rank: int, world_size: int) -> None:
+    cases = [
+        ("adamw", None, False, 1),
+        ("adamw-groups", 0.05, True, 3),
+        ("sgd-nesterov", 0.05, True, 1),
+    ]
+    for name, clip, tiny, accum in cases:
+        run = InBackwardLockStep(
+            Net(rank=rank, f64=False),
+            OPTIMIZERS[name],
+            offload=True,
+            max_grad_norm=clip,
+            bucket_cap_mb=0.0005 if tiny else None,
+            ours_kwargs=SHARD,
+        )
+        what = f"offload world={world_size} {name} clip={clip} tiny={tiny} accum={accum}"
+        _train(run, what, accum)
+        stats = run.ours.memory_stats()
+        whole = sum(p.numel() for p in run.ours._params) * 4
+        buckets = len(run.ours.reducer.bucket_indices())
+        pad = buckets * world_size * 4 * 4
+        # float32 masters on the host: this rank's shard of them (they are the staging buffer)
+        master = stats["host_master_bytes"]
+        assert whole / world_size <= master <= whole / world_size + pad, f"{what}: {master}"
+        if clip is not None:
+            norm = run.ours.offload_stats()["grad_norm"]
+            assert norm == pytest.approx(run.ref_norm, rel=1e-5), f"{what}: norm {norm}"
+            assert run.ref_norm > clip, f"{what}: the case never clipped"
+        saved = run.ours.optimizer.state_dict()["state"]
+        for index, entry in run.ref_opt.state_dict()["state"].items():
+            for key, value in entry.items():
+                torch.testing.assert_close(saved[index][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_offload_to_cpu(world_size: int) -> None:
+    run_ranks(world_size, _offload)
+
+
+def _offload_bf16(rank: int, world_size: int) -> None:
+    """bfloat16 parameters with float32 masters on the host: bitwise the unsharded offload, and
+    the gathered state (masters included) is the unsharded one; loaded into fresh wrappers, the
+    sharded one goes on bitwise as the unsharded one."""
+    dtype = torch.bfloat16
+    factory = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    ours, _, _ = _pair(dtype, "cpu", factory, factory, offload_to_cpu=True, **SHARD)
+    whole, _, _ = _pair(dtype, "cpu", factory, factory, offload_to_cpu=True)
+
+    def train(models: tuple, steps: int) -> None:
+        for step in range(steps):
+            x = torch.randn(6, 16, dtype=dtype)
+            for model in models:
+                _loss(model, x).backward()
+                model.optimizer.step()
+            pairs = zip(
+                models[0].module.named_parameters(), models[1].module.parameters(), strict=True
+            )
+            for (name, a), b in pairs:
+                assert torch.equal(a, b), f"offload bf16 step {step}: {name} differs"
+
+    train((ours, whole), 3)
+    gathered = ours.optimizer.state_dict()
+    expected = whole.optimizer.state_dict()
+    for index, entry in expected["state"].items():
+        assert gathered["state"][index].keys() == entry.keys()
+        for key, value in entry.items():
+            assert torch.equal(gathered["state"][index][key], value), f"{index} {key}"
+    # The same checkpoint loaded into a fresh sharded and a fresh unsharded wrapper: they go on
+    # bitwise equal (torch's load_state_dict casts state to the parameters' dtype for both).
+    fresh = [
+        _pair(dtype, "cpu", factory, factory, offload_to_cpu=True, **kw)[0] for kw in (SHARD, {})
+    ]
+    for model in fresh:
+        with torch.no_grad():
+            for a, b in zip(model.module.parameters(), whole.module.parameters(), strict=True):
+                a.copy_(b)
+        model.optimizer.load_state_dict(copy.deepcopy(expected))
+    train(tuple(fresh), 2)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_offload_bfloat16_masters(world_size: int) -> None:
+    run_ranks(world_size, _offload_bf16)

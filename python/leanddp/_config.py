@@ -153,7 +153,7 @@ def _check_offload(kw: dict[str, Any]) -> tuple[bool, float | None, int]:
     )
 
 
-def _check_shard(kw: dict[str, Any], offload: bool) -> bool:
+def _check_shard(kw: dict[str, Any]) -> bool:
     shard = kw["shard_optimizer_state"]
     if not isinstance(shard, bool):
         _fail(f"shard_optimizer_state must be a bool, got {shard!r}", TypeError)
@@ -164,11 +164,6 @@ def _check_shard(kw: dict[str, Any], offload: bool) -> bool:
             "shard_optimizer_state=True needs optimizer_in_backward=<optimizer factory>: each "
             "rank steps its shard of every bucket inside backward, so the wrapper must own the "
             "optimizer (e.g. optimizer_in_backward=functools.partial(torch.optim.AdamW, lr=1e-3))"
-        )
-    if offload:
-        _fail(
-            "shard_optimizer_state=True with offload_to_cpu=True is not supported yet: "
-            "shard the state on the device, or offload the whole state to the host"
         )
     if kw["check_for_nan_in_grad"]:
         _fail(
@@ -315,7 +310,7 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
             TypeError,
         )
     offload, max_grad_norm, offload_threads = _check_offload(kw)
-    shard = _check_shard(kw, offload)
+    shard = _check_shard(kw)
     for name in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "init_sync"):
         if not isinstance(kw[name], bool):
             _fail(f"{name} must be a bool, got {kw[name]!r}", TypeError)

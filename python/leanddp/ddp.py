@@ -248,7 +248,10 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             [name in sparse for name in self._param_names],
             list(self._config.initial_caps_bytes),
             self._config.shard_optimizer_state,
-            self._config.max_grad_norm if self._config.shard_optimizer_state else None,
+            # (with offload_to_cpu the host step clips)
+            self._config.max_grad_norm
+            if self._config.shard_optimizer_state and not self._config.offload_to_cpu
+            else None,
         )
         # When the wrapper is collected or, at the latest, at interpreter exit (weakref.finalize
         # is an atexit hook too): the Reducer stops its offload worker and lets go of the process
