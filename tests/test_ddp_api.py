@@ -34,6 +34,7 @@ class _TwoDevices(torch.nn.Module):
         self.b = torch.nn.Linear(2, 2, device="meta")
 
 
+_NAN = dict(check_for_nan_in_grad=True)
 _BAD = [
     (dict(bucket_cap_mb=0), ValueError, "bucket_cap_mb must be positive"),
     (dict(bucket_cap_mb=-1.0), ValueError, "bucket_cap_mb must be positive"),
@@ -47,6 +48,32 @@ _BAD = [
     (dict(offload_threads=2), ValueError, "offload_threads is meaningful only with"),
     (dict(max_grad_norm=1.0), ValueError, "max_grad_norm needs optimizer_in_backward"),
     (dict(check_for_nan_in_grad="yes"), ValueError, "check_for_nan_in_grad must be True, False"),
+    (dict(shard_optimizer_state=1), TypeError, "shard_optimizer_state must be a bool"),
+    (dict(shard_optimizer_state=True), ValueError, "shard_optimizer_state=True needs optimizer_in"),
+    (
+        dict(shard_optimizer_state=True, optimizer_in_backward=torch.optim.AdamW, **_NAN),
+        ValueError,
+        "check_for_nan_in_grad is not supported with shard_optimizer_state",
+    ),
+    (
+        dict(
+            shard_optimizer_state=True,
+            optimizer_in_backward=torch.optim.AdamW,
+            grad_scaler=torch.amp.GradScaler("cpu"),
+        ),
+        ValueError,
+        "grad_scaler is not supported with shard_optimizer_state",
+    ),
+    (
+        dict(shard_optimizer_state=True, optimizer_in_backward=torch.optim.Adagrad),
+        ValueError,
+        "shard_optimizer_state steps with leanddp's fused kernels.*Adagrad",
+    ),
+    (
+        dict(shard_optimizer_state=True, optimizer_in_backward=torch.optim.AdamW),
+        ValueError,
+        "shard_optimizer_state steps float32, bfloat16 and float16 parameters; parameter 'f64",
+    ),
     (dict(module=_TwoDevices()), ValueError, "must be on the same type of devices"),
     (dict(module=torch.nn.Linear(2, 2).requires_grad_(False)), RuntimeError, "is not needed"),
 ]

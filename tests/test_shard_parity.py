@@ -18,7 +18,13 @@ import torch
 import torch.distributed as dist
 from ddp_models import Net
 from dist_harness import run_ranks
-from in_backward_models import OPTIMIZERS, InBackwardLockStep, assert_params_close, scheduler
+from in_backward_models import (
+    OPTIMIZERS,
+    InBackwardLockStep,
+    assert_params_close,
+    completed_allreduce_hook,
+    scheduler,
+)
 from test_in_backward_lowp import _assert_close, _loss, _pair, _tolerance
 
 import leanddp
@@ -300,3 +306,18 @@ def _offload_bf16(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_offload_bfloat16_masters(world_size: int) -> None:
     run_ranks(world_size, _offload_bf16)
+
+
+def _comm_hook_refused(rank: int, world_size: int) -> None:
+    ddp = leanddp.DistributedDataParallel(
+        Net(rank=rank, f64=False), optimizer_in_backward=torch.optim.AdamW, **SHARD
+    )
+    with pytest.raises(RuntimeError, match="register_comm_hook is not supported with shard_opt"):
+        ddp.register_comm_hook(None, completed_allreduce_hook)
+    before = [p.detach().clone() for p in ddp.parameters()]
+    ddp(torch.randn(BATCH, 12)).square().mean().backward()  # trains on without the hook
+    assert any(not torch.equal(a, b) for a, b in zip(before, ddp.parameters(), strict=True))
+
+
+def test_comm_hook_refused() -> None:
+    run_ranks(2, _comm_hook_refused)
