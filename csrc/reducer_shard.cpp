@@ -6,6 +6,7 @@
 #include "op_calls.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <cmath>
 
@@ -47,9 +48,11 @@ void Reducer::gather_weights(size_t index) {
     rethrow_collective_error("gathering the stepped weights of bucket " + std::to_string(index) +
                              " (" + join_names(names_, bucket.params) + ")");
   }
-  // Every rank's pieces, this rank's own included (the same values), in one pass. The stepped
-  // members' version counters were bumped by their step; the others keep their values.
+  // Every rank's pieces, this rank's own included (the same values), in one pass; then, as an
+  // in-place op does, the version counters: autograd knows tensors it saved are stale (pieces
+  // stepped on another rank, or on the host, were not counted here).
   unflatten_from(bucket.flat, targets);
+  for (const at::Tensor& target : targets) torch::autograd::impl::bump_version(target);
 }
 
 void Reducer::clip_shards() {

@@ -24,6 +24,15 @@ CONFIGS = {
         "optimizer_in_backward": functools.partial(torch.optim.AdamW, lr=1e-2),
         "offload_to_cpu": True,
     },
+    "sharded": {
+        "optimizer_in_backward": functools.partial(torch.optim.AdamW, lr=1e-2),
+        "shard_optimizer_state": True,
+    },
+    "sharded_offload": {
+        "optimizer_in_backward": functools.partial(torch.optim.AdamW, lr=1e-2),
+        "shard_optimizer_state": True,
+        "offload_to_cpu": True,
+    },
 }
 
 
