@@ -315,6 +315,12 @@ void bind_reducer(py::module_& m) {
            py::arg("step"), py::arg("values"), py::call_guard<py::gil_scoped_release>())
       .def("gathered_optimizer_state", &Reducer::gathered_optimizer_state,
            py::call_guard<py::gil_scoped_release>())
+      .def("shard_placement", &Reducer::shard_placement, py::call_guard<py::gil_scoped_release>())
+      .def("local_optimizer_state", &Reducer::local_optimizer_state,
+           py::call_guard<py::gil_scoped_release>())
+      .def("optimizer_steps", &Reducer::optimizer_steps, py::call_guard<py::gil_scoped_release>())
+      .def("set_optimizer_steps", &Reducer::set_optimizer_steps, py::arg("steps"),
+           py::call_guard<py::gil_scoped_release>())
       .def("optimizer_generation", &Reducer::optimizer_generation,
            py::call_guard<py::gil_scoped_release>())
       .def("memory_stats", &Reducer::memory_stats, py::call_guard<py::gil_scoped_release>())

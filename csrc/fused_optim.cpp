@@ -307,18 +307,32 @@ std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state(size_t p, 
   return state_from(p, flats_[index], bucket.offsets[slot]);
 }
 
+std::vector<std::string> FusedOptimizer::buffer_keys(size_t p) const {
+  if (kind_ == OptimKind::kAdam) return {"exp_avg", "exp_avg_sq"};
+  if (num_buffers(group_of_[p]) == 1) return {"momentum_buffer"};
+  return {};
+}
+
+void FusedOptimizer::set_steps(size_t p, int64_t step) {
+  TORCH_CHECK(step >= 0, "FusedOptimizer: negative step count");
+  ++generation_;
+  steps_[p] = step;
+  step_tensors_[p] = at::Tensor();
+  if (kind_ == OptimKind::kAdam && step > 0) {
+    step_tensors_[p] = at::scalar_tensor(static_cast<double>(step),
+                                         at::TensorOptions(at::kFloat).device(step_device_));
+  }
+}
+
 std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state_from(
     size_t p, const std::vector<at::Tensor>& full, int64_t offset) const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   const size_t nbuf = num_buffers(group_of_[p]);
   if (steps_[p] == 0 || full.size() < nbuf) return out;
-  const auto view = [&](size_t k) { return slice_like(full[k], offset, params_[p]); };
-  if (kind_ == OptimKind::kAdam) {
-    out.emplace_back("step", step_tensors_[p]);
-    out.emplace_back("exp_avg", view(0));
-    out.emplace_back("exp_avg_sq", view(1));
-  } else if (nbuf == 1) {
-    out.emplace_back("momentum_buffer", view(0));
+  if (kind_ == OptimKind::kAdam) out.emplace_back("step", step_tensors_[p]);
+  const std::vector<std::string> keys = buffer_keys(p);
+  for (size_t k = 0; k < keys.size(); ++k) {
+    out.emplace_back(keys[k], slice_like(full[k], offset, params_[p]));
   }
   return out;
 }
@@ -326,10 +340,7 @@ std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state_from(
 void FusedOptimizer::load_state(size_t p, size_t index, const Bucket& bucket, size_t slot,
                                 int64_t step, const std::vector<at::Tensor>& values) {
   const size_t nbuf = num_buffers(group_of_[p]);
-  TORCH_CHECK(step >= 0, "FusedOptimizer: negative step count");
-  ++generation_;
-  steps_[p] = step;
-  step_tensors_[p] = at::Tensor();
+  set_steps(p, step);
   if (step == 0) {
     // Sharded, the state is never handed out, so a fresh start zeroes it here (the first step
     // reads the moments as zeros).
@@ -347,10 +358,6 @@ void FusedOptimizer::load_state(size_t p, size_t index, const Bucket& bucket, si
   for (size_t k = 0; k < nbuf; ++k) {
     // The value in the parameter's memory order, as the state holds it.
     copy_in(index, bucket, slot, k, in_memory_order_of(values[k], params_[p]).reshape({-1}));
-  }
-  if (kind_ == OptimKind::kAdam) {
-    step_tensors_[p] = at::scalar_tensor(static_cast<double>(step),
-                                         at::TensorOptions(at::kFloat).device(step_device_));
   }
 }
 

@@ -134,6 +134,13 @@ class FusedOptimizer {
   // values of its state tensors in state()'s order (the step tensor excluded).
   void load_state(size_t p, size_t index, const Bucket& bucket, size_t slot, int64_t step,
                   const std::vector<at::Tensor>& values);
+  // torch's names of parameter p's state buffers, in buffer order (Adam: exp_avg, exp_avg_sq;
+  // SGD with momentum: momentum_buffer; else none).
+  std::vector<std::string> buffer_keys(size_t p) const;
+  // Updates parameter p has taken; set_steps() sets it (and torch's `step`) leaving the state
+  // buffers as they are (a sharded checkpoint loaded them in place).
+  int64_t steps(size_t p) const { return steps_[p]; }
+  void set_steps(size_t p, int64_t step);
   // Changes whenever state tensors are created, moved or loaded (Python then refreshes its view).
   int64_t generation() const { return generation_; }
   int64_t state_bytes() const;

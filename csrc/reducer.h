@@ -52,11 +52,13 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <array>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -218,6 +220,16 @@ class Reducer {
   // from every rank's shard (a collective: every rank calls it, outside backward, and every
   // rank gets the whole state); one entry per parameter, empty where it has none.
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> gathered_optimizer_state();
+  // shard_optimizer_state, between iterations, for checkpoints that stay sharded: every
+  // parameter's pieces on every rank, as (rank, first element, elements) of the parameter seen
+  // 1-D in its memory order; this rank's pieces of the state as (parameter, torch's key, a live
+  // 1-D view of the state buffer, which a checkpoint may load into), float32 masters included
+  // with offload_to_cpu ("master_weight"); and the step counts (the same on every rank), which
+  // set_optimizer_steps() sets, leaving the buffers as they are.
+  std::vector<std::vector<std::array<int64_t, 3>>> shard_placement() const;
+  std::vector<std::tuple<int64_t, std::string, at::Tensor>> local_optimizer_state();
+  std::vector<int64_t> optimizer_steps() const;
+  void set_optimizer_steps(const std::vector<int64_t>& steps);
 
   MemoryStats memory_stats() const;
   // CUDA events created so far for ordering steps and copies (they are pooled: this stays
@@ -333,7 +345,9 @@ class Reducer {
   // (cut by `shards`) gathered whole, padded (a collective).
   std::vector<at::Tensor> gather_state(const std::vector<Bucket>& buckets,
                                        const std::vector<ShardLayout>& shards, size_t index);
-  // shard_optimizer_state: cuts the buckets into this rank's shards (build_buckets).
+  // shard_optimizer_state: rank `rank`'s shard of `bucket`; cut_shards() cuts this rank's
+  // shard of every bucket (build_buckets).
+  ShardLayout cut(const Bucket& bucket, int64_t rank) const;
   void cut_shards();
   // offload_to_cpu with shard_optimizer_state, at the end of backward: with max_grad_norm the
   // global norm from every rank's held buckets; the host steps (the host waits for them), then

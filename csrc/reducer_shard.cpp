@@ -12,19 +12,21 @@
 
 namespace leanddp {
 
+ShardLayout Reducer::cut(const Bucket& bucket, int64_t rank) const {
+  std::vector<int64_t> numels;
+  for (int64_t p : bucket.params) numels.push_back(params_[static_cast<size_t>(p)].numel());
+  // Shards start 16 bytes apart at least: aligned for the vector kernels and for NCCL.
+  const int64_t align = std::max<int64_t>(
+      1, 16 / static_cast<int64_t>(params_[static_cast<size_t>(bucket.params[0])].element_size()));
+  return shard_layout(bucket.offsets, numels, bucket.numel, align, process_group_->getSize(),
+                      rank);
+}
+
 void Reducer::cut_shards() {
   shards_.clear();
   if (!options_.shard_optimizer_state) return;
-  const int64_t world = process_group_->getSize();
-  const int64_t rank = process_group_->getRank();
   for (Bucket& bucket : buckets_) {
-    std::vector<int64_t> numels;
-    for (int64_t p : bucket.params) numels.push_back(params_[static_cast<size_t>(p)].numel());
-    // Shards start 16 bytes apart at least: aligned for the vector kernels and for NCCL.
-    const int64_t align = std::max<int64_t>(
-        1,
-        16 / static_cast<int64_t>(params_[static_cast<size_t>(bucket.params[0])].element_size()));
-    shards_.push_back(shard_layout(bucket.offsets, numels, bucket.numel, align, world, rank));
+    shards_.push_back(cut(bucket, process_group_->getRank()));
     bucket.padded_numel = shards_.back().padded;
   }
 }
@@ -152,6 +154,75 @@ std::vector<std::vector<std::pair<std::string, at::Tensor>>> Reducer::gathered_o
     }
   }
   return out;
+}
+
+std::vector<std::vector<std::array<int64_t, 3>>> Reducer::shard_placement() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(options_.shard_optimizer_state, "Reducer: shard_placement needs shard_optimizer_state");
+  check_open("reading the shard placement");
+  std::vector<std::vector<std::array<int64_t, 3>>> out(params_.size());
+  for (const Bucket& bucket : buckets_) {
+    for (int64_t r = 0; r < process_group_->getSize(); ++r) {
+      for (const ShardPiece& piece : cut(bucket, r).pieces) {
+        out[static_cast<size_t>(bucket.params[piece.slot])].push_back(
+            {r, piece.slot_offset, piece.numel});
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<std::tuple<int64_t, std::string, at::Tensor>> Reducer::local_optimizer_state() {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(!armed_, "leanddp.DistributedDataParallel: the sharded optimizer state is read "
+                       "between iterations, not during a backward");
+  FusedOptimizer* fused = fused_optimizer();
+  TORCH_CHECK(fused && fused->sharded(),
+              "Reducer: local_optimizer_state needs shard_optimizer_state");
+  wait_idle(/*host_too=*/true);
+  std::vector<std::tuple<int64_t, std::string, at::Tensor>> out;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const Bucket& bucket = buckets_[b];
+    const std::vector<at::Tensor>& buffers = fused->state_buffers(b, bucket);
+    const bool masters = offload_ && params_[static_cast<size_t>(bucket.params[0])].scalar_type() !=
+                                         at::kFloat;
+    for (const ShardPiece& piece : shards_[b].pieces) {
+      const int64_t p = bucket.params[piece.slot];
+      const std::vector<std::string> keys = fused->buffer_keys(static_cast<size_t>(p));
+      for (size_t k = 0; k < keys.size(); ++k) {
+        out.emplace_back(p, keys[k], buffers[k].narrow(0, piece.shard_offset, piece.numel));
+      }
+      if (masters) {
+        out.emplace_back(p, "master_weight",
+                         offload_->masters_block(b).narrow(0, piece.shard_offset, piece.numel));
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<int64_t> Reducer::optimizer_steps() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  wait_idle(/*host_too=*/false, /*order_device=*/false);  // (host counters)
+  FusedOptimizer* fused = fused_optimizer();
+  TORCH_CHECK(fused, "Reducer: no fused optimizer");
+  std::vector<int64_t> out;
+  for (size_t p = 0; p < params_.size(); ++p) out.push_back(fused->steps(p));
+  return out;
+}
+
+void Reducer::set_optimizer_steps(const std::vector<int64_t>& steps) {
+  std::lock_guard<std::mutex> lock(mu_);
+  wait_idle(/*host_too=*/true);
+  FusedOptimizer* fused = fused_optimizer();
+  TORCH_CHECK(fused, "Reducer: no fused optimizer");
+  TORCH_CHECK(steps.size() == params_.size(), "Reducer: ", steps.size(), " step counts for ",
+              params_.size(), " parameters");
+  for (size_t p = 0; p < params_.size(); ++p) {
+    TORCH_CHECK(steps[p] >= 0, "leanddp.DistributedDataParallel: parameter ", names_[p],
+                ": negative step count ", steps[p]);
+  }
+  for (size_t p = 0; p < params_.size(); ++p) fused->set_steps(p, steps[p]);
 }
 
 }  // namespace leanddp

@@ -515,6 +515,24 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             "grad_norm": s.grad_norm,
         }
 
+    def sharded_optimizer_state_dict(self) -> dict[str, Any]:
+        """shard_optimizer_state: this rank's shard of ``self.optimizer``'s state, for
+        ``torch.distributed.checkpoint.save``/``load`` without gathering it (every rank calls
+        it): per parameter name, ``step`` and each state tensor as a ShardedTensor whose local
+        shard is a live view of this rank's piece, plus the param groups. To restore, pass a
+        fresh one to ``dcp.load`` (which loads the pieces in place) and then to
+        :meth:`load_sharded_optimizer_state_dict`. Loads at another world size too."""
+        from . import _sharded_checkpoint  # (loads torch's ShardedTensor: only when used)
+
+        return _sharded_checkpoint.sharded_state_dict(self)
+
+    def load_sharded_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """After ``dcp.load(state_dict, ...)`` of a :meth:`sharded_optimizer_state_dict` of
+        this wrapper: sets the step counts and the param groups' hyper-parameters."""
+        from . import _sharded_checkpoint
+
+        _sharded_checkpoint.load_sharded_state_dict(self, state_dict)
+
     def synchronize(self) -> None:
         """Makes the last step's updates visible to the caller: with ``offload_to_cpu`` the
         host waits until the host steps' updates are in the parameters and raises an error the

@@ -1,0 +1,124 @@
+"""shard_optimizer_state checkpoints that stay sharded, for ``torch.distributed.checkpoint``.
+
+Every rank saves and loads its own shard of the optimizer state; nothing is gathered, so a
+model whose whole state fits no single host can still be checkpointed. Each parameter's state
+tensor (``exp_avg``/``exp_avg_sq`` or ``momentum_buffer``; with offload_to_cpu also the float32
+``master_weight`` of a bfloat16/float16 parameter) is a ShardedTensor of the parameter's
+``numel`` elements (the parameter seen 1-D in its memory order). Its local shard on a rank is
+that rank's piece of it: a live view of leanddp's state buffer, so DCP writes straight from the
+buffers and loads straight into them. A piece is placed by its position in the parameter, not in
+a bucket, so a checkpoint loads at another world size or bucket size (DCP reads what overlaps).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+
+
+def _fail(message: str) -> None:
+    raise ValueError(f"leanddp.DistributedDataParallel: {message}")
+
+
+def sharded_state_dict(ddp: Any) -> dict[str, Any]:
+    """``{"state": {name: {"step": tensor, key: ShardedTensor}}, "param_groups": (...)}``
+    for every trainable parameter (by name), this rank's pieces as live views (module doc)."""
+    if not ddp._config.shard_optimizer_state:
+        _fail("sharded_optimizer_state_dict() needs shard_optimizer_state=True")
+    reducer = ddp.reducer
+    group = ddp.process_group
+    ranks = dist.get_process_group_ranks(group)
+    placement = reducer.shard_placement()
+    steps = reducer.optimizer_steps()
+    local = {(p, key): view for p, key, view in reducer.local_optimizer_state()}
+    # Every rank must see every key: a rank without a piece of a parameter learns its keys from
+    # the optimizer's kind and the parameter's group, as the ranks holding pieces do.
+    link = ddp._in_backward
+    state: dict[str, dict[str, Any]] = {}
+    for p, name in enumerate(ddp._param_names):
+        pieces = placement[p]
+        if not pieces:  # no elements: no state
+            continue
+        entry: dict[str, Any] = {"step": torch.tensor(float(steps[p]))}
+        for key in _keys(link, p, ddp._params[p]):
+            device, dtype = _where(link, ddp._params[p])
+            shards = []
+            metadata = []
+            for rank, offset, numel in pieces:
+                where = f"rank:{ranks[rank]}/{device}"
+                metadata.append(ShardMetadata([offset], [numel], where))
+                if ranks[rank] == dist.get_rank():
+                    shards.append(Shard(local[(p, key)], metadata[-1]))
+            properties = TensorProperties(dtype=dtype)
+            global_metadata = ShardedTensorMetadata(
+                metadata, torch.Size([ddp._params[p].numel()]), properties
+            )
+            entry[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
+                shards, global_metadata, process_group=group
+            )
+        state[name] = entry
+    # A tuple, which DCP keeps whole as one object: a rank holding no piece of some parameter
+    # has no local shard of its ShardedTensors, and DCP's load then falls back to its older
+    # flattening, which agrees with the newer one on tuples (not on lists or dicts of groups).
+    groups = tuple(
+        {k: v for k, v in g.items() if k != "params"} for g in ddp.optimizer.param_groups
+    )
+    return {"state": state, "param_groups": groups}
+
+
+def _keys(link: Any, p: int, param: torch.Tensor) -> list[str]:
+    """torch's names of parameter p's state buffers (leanddp's FusedOptimizer::buffer_keys)."""
+    group = link.optimizer.param_groups[link.group_of[p]]
+    if link.kind == "adam":
+        keys = ["exp_avg", "exp_avg_sq"]
+    else:
+        keys = ["momentum_buffer"] if group.get("momentum", 0) != 0 else []
+    if link.offload[0] and param.dtype != torch.float32:
+        keys.append("master_weight")
+    return keys
+
+
+def _where(link: Any, param: torch.Tensor) -> tuple[str, torch.dtype]:
+    """The device and dtype leanddp keeps parameter ``param``'s state in."""
+    if link.offload[0]:
+        return "cpu", torch.float32
+    return str(param.device), param.dtype
+
+
+def load_sharded_state_dict(ddp: Any, state_dict: dict[str, Any]) -> None:
+    """After ``dcp.load`` filled ``state_dict`` (made by :func:`sharded_state_dict` of this
+    wrapper, whose pieces it loaded in place): sets the step counts and the param groups'
+    hyper-parameters. Raises naming the entry if ``state_dict`` is not such a dict."""
+    if not ddp._config.shard_optimizer_state:
+        _fail("load_sharded_optimizer_state_dict() needs shard_optimizer_state=True")
+    state = state_dict.get("state")
+    groups = state_dict.get("param_groups")
+    if not isinstance(state, dict) or not isinstance(groups, tuple):
+        _fail(
+            "the state dict must have 'state' and 'param_groups' as made by "
+            "sharded_optimizer_state_dict()"
+        )
+    if len(groups) != len(ddp.optimizer.param_groups):
+        _fail(
+            f"the state dict has {len(groups)} param groups, the optimizer "
+            f"{len(ddp.optimizer.param_groups)}"
+        )
+    steps = ddp.reducer.optimizer_steps()
+    for p, name in enumerate(ddp._param_names):
+        if name not in state:
+            continue
+        step = state[name].get("step")
+        if not isinstance(step, torch.Tensor) or step.numel() != 1:
+            _fail(f"state of parameter {name!r}: 'step' must be a one-element tensor")
+        steps[p] = int(step.item())
+    ddp.reducer.set_optimizer_steps(steps)
+    for group, saved in zip(ddp.optimizer.param_groups, groups, strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
