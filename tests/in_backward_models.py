@@ -140,6 +140,22 @@ class InBackwardLockStep:
         return [(name, a, ours[name]) for name, a in self.ref.module.named_parameters()]
 
 
+def train_lock_step(
+    run: InBackwardLockStep, what: str, accum: int, steps: int, static: bool = False
+) -> None:
+    """``steps`` optimizer steps of ``accum`` micro-batches each (one in a static graph's first
+    step: torch's DDP asserts when that one runs under no_sync), every other one with the loop's
+    legacy calls; after each, every gradient and bucket of ours is released and the parameters
+    are within 1e-5 of torch's."""
+    for step in range(steps):
+        n = 1 if static and step == 0 else accum
+        run.step([torch.randn(6, 12) for _ in range(n)], legacy_calls=step % 2 == 1)
+        for p in run.ours.module.parameters():
+            assert p.grad is None, f"{what} step {step}: a gradient survived the in-backward step"
+        assert run.ours.memory_stats()["bucket_bytes"] == 0, f"{what}: buckets not released"
+        assert_params_close(run, f"{what} step {step}")
+
+
 def completed_allreduce_hook(state, bucket):  # (string annotations fail torch's hook check)
     """A comm hook whose reduction is complete when it returns (averaged over ``state``, the
     default group if None), so each bucket is stepped at its launch: in flight is always 1."""

@@ -17,21 +17,19 @@ import pytest
 import torch
 from ddp_models import Net
 from dist_harness import run_ranks
-from in_backward_models import OPTIMIZERS, InBackwardLockStep, assert_params_close
+from in_backward_models import (
+    OPTIMIZERS,
+    InBackwardLockStep,
+    assert_params_close,
+    train_lock_step,
+)
 
 STEPS = 5
 BATCH = 6
 
 
 def _train(rank: int, run: InBackwardLockStep, what: str, accum: int, static: bool) -> None:
-    for step in range(STEPS):
-        # torch's DDP asserts when a static graph's first iteration runs under no_sync
-        n = 1 if static and step == 0 else accum
-        run.step([torch.randn(BATCH, 12) for _ in range(n)], legacy_calls=step % 2 == 1)
-        for p in run.ours.module.parameters():
-            assert p.grad is None, f"{what} step {step}: a gradient survived the in-backward step"
-        assert run.ours.memory_stats()["bucket_bytes"] == 0, f"{what}: buckets not released"
-        assert_params_close(run, f"{what} step {step}")
+    train_lock_step(run, what, accum, STEPS, static)
 
 
 def _matrix(rank: int, world_size: int, names: list[str]) -> None:

@@ -21,9 +21,9 @@ from dist_harness import run_ranks
 from in_backward_models import (
     OPTIMIZERS,
     InBackwardLockStep,
-    assert_params_close,
     completed_allreduce_hook,
     scheduler,
+    train_lock_step,
 )
 from test_in_backward_lowp import _assert_close, _loss, _pair, _tolerance
 
@@ -63,15 +63,8 @@ def _unsharded_state_bytes(ddp: leanddp.DistributedDataParallel, kind: str) -> i
 def _train(
     run: InBackwardLockStep, what: str, accum: int, steps: int = STEPS, static: bool = False
 ) -> None:
-    for step in range(steps):
-        # torch's DDP asserts when a static graph's first iteration runs under no_sync
-        n = 1 if static and step == 0 else accum
-        run.step([torch.randn(BATCH, 12) for _ in range(n)], legacy_calls=step % 2 == 1)
-        for p in run.ours.module.parameters():
-            assert p.grad is None, f"{what} step {step}: a gradient survived the in-backward step"
-        assert run.ours.memory_stats()["bucket_bytes"] == 0, f"{what}: buckets not released"
-        assert len(run.ours.optimizer.state) == 0, f"{what}: optimizer.state holds whole state"
-        assert_params_close(run, f"{what} step {step}")
+    train_lock_step(run, what, accum, steps, static)
+    assert len(run.ours.optimizer.state) == 0, f"{what}: optimizer.state holds whole state"
 
 
 def _matrix(rank: int, world_size: int, names: list[str]) -> None:
