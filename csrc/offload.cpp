@@ -254,6 +254,10 @@ void HostOffload::process(Job& job) {
   held_.push_back(std::move(job));
 }
 
+void HostOffload::adopt_versions() {
+  for (size_t p = 0; p < params_.size(); ++p) versions_[p] = params_[p]._version();
+}
+
 double HostOffload::held_sum_squares() const {
   std::lock_guard<std::mutex> lock(sync_->mu);
   return sum_squares_;

@@ -117,6 +117,10 @@ class HostOffload {
   // Clipping, worker idle (after wait()): the sum of squared gradients of the buckets held.
   double held_sum_squares() const;
   bool clips() const { return options_.max_grad_norm.has_value(); }
+  // Sharded, worker idle: the Reducer wrote into the parameters what the last host steps wrote
+  // (every rank's pieces, gathered): their versions now are this object's writes, so the
+  // masters are kept (not refreshed from the rounded parameters).
+  void adopt_versions();
   // Sharded, worker idle: bucket b's float32 masters block (bfloat16/float16 buckets;
   // allocated if missing, so that every rank has one to gather).
   at::Tensor masters_block(size_t b);

@@ -158,6 +158,8 @@ void Reducer::reset_iteration_state() {
   local_used_reduced_ = at::Tensor();
   local_used_work_.reset();
   clip_scale_.reset();
+  gathers_.assign(buckets_.size(), {});
+  gathering_.clear();
   for (Bucket& b : buckets_) {
     b.pending = b.params.size();
     b.sparse_grad = at::Tensor();
@@ -458,6 +460,7 @@ void Reducer::finalize() {
       }
       if (options_.max_grad_norm) clip_shards();
       advance_steps(StepWindow::Phase::kEnd, &used);  // (checks each bucket before its step)
+      finish_gathers();
       // The caller's stream (where the loop goes on after backward) sees the stepped weights;
       // the host does not wait. offload_to_cpu: the next forward waits for the host steps.
       if (step_stream_) {

@@ -24,7 +24,9 @@
 // the bucket's step (on the side stream on a GPU; the host waits for the gather on the CPU).
 // Its steps run only where the window forces them (before a launch when it is full, and at the
 // end of backward), never as reductions happen to complete: so every rank issues its
-// reduce-scatters and all-gathers in the same order on the one process group.
+// reduce-scatters and all-gathers in the same order on the one process group. On the CPU a
+// bucket's gather is waited for at the next bucket's step (or the end of backward), so one more
+// bucket may be allocated than the window holds.
 // With offload_to_cpu (set_optimizer with a HostOffload) the step is handed to HostOffload
 // instead: on a GPU its device-to-host stream takes the side stream's place; the bucket is copied
 // to the host and released, and the next forward waits for the host steps (wait_for_steps).
@@ -337,10 +339,16 @@ class Reducer {
   void check_before_first_backward(const char* what) const;
   void check_open(const char* what) const;  // raises once closed
   void release(size_t bucket_index);
-  // shard_optimizer_state: puts this rank's stepped pieces into its shard of bucket `index`,
-  // gathers every rank's shard and writes the bucket's weights into its parameters (on the
-  // current stream; on the CPU the host waits for the gather).
+  // shard_optimizer_state: start_gather() puts this rank's stepped pieces into its shard of
+  // bucket `index` and starts gathering every rank's shard; finish_gather() waits for it (on a
+  // GPU the current stream waits, on the CPU the host) and writes the bucket's weights into its
+  // parameters; gather_weights() does both. In a CPU backward a bucket's gather is finished,
+  // and the bucket released, at the next bucket's step or at the end of backward
+  // (finish_gathers()), so it overlaps the backward computation in between.
+  void start_gather(size_t index);
+  void finish_gather(size_t index);
   void gather_weights(size_t index);
+  void finish_gathers();
   // shard_optimizer_state: the fused optimizer's state buffers of bucket `index` of `buckets`
   // (cut by `shards`) gathered whole, padded (a collective).
   std::vector<at::Tensor> gather_state(const std::vector<Bucket>& buckets,
@@ -385,7 +393,9 @@ class Reducer {
   // Layout: replaced once by rebuild_buckets().
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> location_;  // param -> (bucket, slot)
-  std::vector<ShardLayout> shards_;   // shard_optimizer_state: this rank's shard of each bucket
+  std::vector<ShardLayout> shards_;  // shard_optimizer_state: this rank's shard of each bucket
+  std::vector<c10::intrusive_ptr<c10d::Work>> gathers_;  // per bucket, while gathering (sharded)
+  std::deque<size_t> gathering_;      // CPU, sharded: buckets stepped, gathers not yet finished
   std::optional<double> clip_scale_;  // this backward's clipping coefficient (max_grad_norm)
   double grad_norm_ = -1;             // the last backward's global gradient norm (max_grad_norm)
   bool has_rebuilt_ = false;

@@ -20,6 +20,19 @@ bool Reducer::abandon_iteration(bool step_launched) {
       ok = false;
     }
   }
+  try {
+    finish_gathers();  // (shard_optimizer_state on the CPU: a gather may still run)
+  } catch (...) {
+    ok = false;
+  }
+  for (size_t b = 0; b < gathers_.size(); ++b) {
+    if (!gathers_[b]) continue;
+    try {
+      gathers_[b]->wait();
+    } catch (...) {
+      ok = false;
+    }
+  }
   for (size_t b = 0; b < works_.size(); ++b) {
     if (!works_[b] || collected_[b]) continue;
     try {

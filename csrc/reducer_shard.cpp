@@ -18,8 +18,7 @@ ShardLayout Reducer::cut(const Bucket& bucket, int64_t rank) const {
   // Shards start 16 bytes apart at least: aligned for the vector kernels and for NCCL.
   const int64_t align = std::max<int64_t>(
       1, 16 / static_cast<int64_t>(params_[static_cast<size_t>(bucket.params[0])].element_size()));
-  return shard_layout(bucket.offsets, numels, bucket.numel, align, process_group_->getSize(),
-                      rank);
+  return shard_layout(bucket.offsets, numels, bucket.numel, align, process_group_->getSize(), rank);
 }
 
 void Reducer::cut_shards() {
@@ -31,30 +30,53 @@ void Reducer::cut_shards() {
   }
 }
 
-void Reducer::gather_weights(size_t index) {
+void Reducer::start_gather(size_t index) {
   Bucket& bucket = buckets_[index];
-  const ShardLayout& layout = shards_[index];
   std::vector<at::Tensor> weights;
-  std::vector<at::Tensor> targets;
-  for (size_t s = 0; s < bucket.params.size(); ++s) {
-    const at::Tensor& param = params_[static_cast<size_t>(bucket.params[s])];
-    weights.push_back(memory_1d(param));
-    targets.push_back(in_memory_order_of(param, bucket.views[s]));
-  }
+  for (int64_t p : bucket.params) weights.push_back(memory_1d(params_[static_cast<size_t>(p)]));
   // The reduced gradients in the shard are consumed: the shard now carries the weights.
-  pack_shard(bucket.padded, layout, weights);
+  pack_shard(bucket.padded, shards_[index], weights);
   try {
-    // NCCL: the current (side) stream waits for the gather; the host does not.
-    gather_shards(process_group_, bucket.padded, layout)->wait();
+    gathers_[index] = gather_shards(process_group_, bucket.padded, shards_[index]);
+  } catch (...) {
+    rethrow_collective_error("starting to gather the stepped weights of bucket " +
+                             std::to_string(index));
+  }
+}
+
+void Reducer::finish_gather(size_t index) {
+  Bucket& bucket = buckets_[index];
+  const c10::intrusive_ptr<c10d::Work> work = std::move(gathers_[index]);
+  try {
+    work->wait();  // NCCL: the current (side) stream waits for the gather; the host does not
   } catch (...) {
     rethrow_collective_error("gathering the stepped weights of bucket " + std::to_string(index) +
                              " (" + join_names(names_, bucket.params) + ")");
+  }
+  std::vector<at::Tensor> targets;
+  for (size_t s = 0; s < bucket.params.size(); ++s) {
+    targets.push_back(
+        in_memory_order_of(params_[static_cast<size_t>(bucket.params[s])], bucket.views[s]));
   }
   // Every rank's pieces, this rank's own included (the same values), in one pass; then, as an
   // in-place op does, the version counters: autograd knows tensors it saved are stale (pieces
   // stepped on another rank, or on the host, were not counted here).
   unflatten_from(bucket.flat, targets);
   for (const at::Tensor& target : targets) torch::autograd::impl::bump_version(target);
+}
+
+void Reducer::gather_weights(size_t index) {
+  start_gather(index);
+  finish_gather(index);
+}
+
+void Reducer::finish_gathers() {
+  while (!gathering_.empty()) {
+    const size_t b = gathering_.front();
+    gathering_.pop_front();
+    finish_gather(b);
+    release(b);
+  }
 }
 
 void Reducer::clip_shards() {
@@ -99,6 +121,7 @@ void Reducer::finish_sharded_offload() {
     gather_weights(b);
     release(b);
   }
+  offload_->adopt_versions();
 }
 
 std::vector<at::Tensor> Reducer::gather_state(const std::vector<Bucket>& buckets,
@@ -158,7 +181,8 @@ std::vector<std::vector<std::pair<std::string, at::Tensor>>> Reducer::gathered_o
 
 std::vector<std::vector<std::array<int64_t, 3>>> Reducer::shard_placement() const {
   std::lock_guard<std::mutex> lock(mu_);
-  TORCH_CHECK(options_.shard_optimizer_state, "Reducer: shard_placement needs shard_optimizer_state");
+  TORCH_CHECK(options_.shard_optimizer_state,
+              "Reducer: shard_placement needs shard_optimizer_state");
   check_open("reading the shard placement");
   std::vector<std::vector<std::array<int64_t, 3>>> out(params_.size());
   for (const Bucket& bucket : buckets_) {
@@ -174,8 +198,9 @@ std::vector<std::vector<std::array<int64_t, 3>>> Reducer::shard_placement() cons
 
 std::vector<std::tuple<int64_t, std::string, at::Tensor>> Reducer::local_optimizer_state() {
   std::lock_guard<std::mutex> lock(mu_);
-  TORCH_CHECK(!armed_, "leanddp.DistributedDataParallel: the sharded optimizer state is read "
-                       "between iterations, not during a backward");
+  TORCH_CHECK(!armed_,
+              "leanddp.DistributedDataParallel: the sharded optimizer state is read "
+              "between iterations, not during a backward");
   FusedOptimizer* fused = fused_optimizer();
   TORCH_CHECK(fused && fused->sharded(),
               "Reducer: local_optimizer_state needs shard_optimizer_state");
@@ -184,8 +209,8 @@ std::vector<std::tuple<int64_t, std::string, at::Tensor>> Reducer::local_optimiz
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const Bucket& bucket = buckets_[b];
     const std::vector<at::Tensor>& buffers = fused->state_buffers(b, bucket);
-    const bool masters = offload_ && params_[static_cast<size_t>(bucket.params[0])].scalar_type() !=
-                                         at::kFloat;
+    const bool masters =
+        offload_ && params_[static_cast<size_t>(bucket.params[0])].scalar_type() != at::kFloat;
     for (const ShardPiece& piece : shards_[b].pieces) {
       const int64_t p = bucket.params[piece.slot];
       const std::vector<std::string> keys = fused->buffer_keys(static_cast<size_t>(p));

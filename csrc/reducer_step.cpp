@@ -110,8 +110,14 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
           if (mask[s]) nan_gated_[index].push_back(bucket.params[s]);
         }
       }
+      if (options_.shard_optimizer_state && !side) finish_gathers();  // (the previous bucket's)
       fused->step(index, bucket, mask, targets);
-      if (options_.shard_optimizer_state) gather_weights(index);
+      if (options_.shard_optimizer_state && side) {
+        gather_weights(index);  // ordered on the side stream: nothing to wait for
+      } else if (options_.shard_optimizer_state) {
+        start_gather(index);  // finished at the next step, or at the end of backward
+        gathering_.push_back(index);
+      }
     }
     // The per-bucket Python steps cannot read a device flag: with the device NaN check, the
     // host reads it first (a synchronization, only in buckets the fused kernels cannot step).
@@ -129,7 +135,7 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
     finish_events_.emplace_back(events_->record(*side), bytes);
     unfinished_bytes_ += bytes;
   }
-  release(index);
+  if (gathering_.empty() || gathering_.back() != index) release(index);
 }
 
 void Reducer::set_optimizer(std::unique_ptr<FusedOptimizer> fused,
