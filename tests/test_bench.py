@@ -8,9 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from leanddp.bench import main
 from leanddp.bench._report import device_bytes_per_param, table
 
-CONFIGS = ["torch DDP", "leanddp", "leanddp + optimizer_in_backward", "leanddp + offload_to_cpu"]
+SHARDED = "leanddp in-backward sharded"
+UNSHARDED = "leanddp + optimizer_in_backward"
+CONFIGS = ["torch DDP", "leanddp", UNSHARDED, "leanddp + offload_to_cpu", SHARDED]
 
 
 def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -24,16 +29,22 @@ def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 def test_bench_runs_every_configuration_with_accumulation(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    done = bench("--steps", "1", "--warmup", "1", "--accum", "2", "--out", str(out))
+    done = bench(
+        "--steps", "1", "--warmup", "1", "--accum", "2", "--world-sizes", "2", "3",
+        "--out", str(out),
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "bench.json").read_text())
-    runs = {r["config"]: r for r in report["runs"]}
+    runs = {r["config"]: r for r in report["runs"] if r["world_size"] == 2}
     assert sorted(runs) == sorted(CONFIGS)
+    # the world-size series: the in-backward configurations, unsharded and sharded, at 3 ranks
+    at3 = {r["config"]: r for r in report["runs"] if r["world_size"] == 3}
+    assert list(at3) == [UNSHARDED, SHARDED] and len(report["runs"]) == len(CONFIGS) + 2
     params = runs["torch DDP"]["memory"]["parameters"]
     assert params == 4 * report["params"]  # fp32, rank 0
     for name, r in runs.items():
         m = r["memory"]
-        assert r["accum"] == 2 and r["world_size"] == 2 and r["backend"] == "gloo"
+        assert r["accum"] == 2 and r["backend"] == "gloo"
         assert len(r["losses"]) == 2 and r["step_seconds"] > 0
         # accumulating in place needs every bucket; torch's buckets always hold one copy
         assert m["buckets"] >= params, name
@@ -46,7 +57,33 @@ def test_bench_runs_every_configuration_with_accumulation(tmp_path: Path) -> Non
     assert off["memory"]["optimizer_device"] == 0
     assert off["memory"]["host"] >= 3 * params  # moments + masters (+ staging)
     assert off["host_step"]["buckets"] > 0
-    assert "final losses agree across all 4 runs" in done.stdout
+    # shard_optimizer_state: this rank keeps 1/N of the unsharded AdamW state (rank 0's shard
+    # holds no padding: at least the N-th part, at most a few 16-byte units above it); the
+    # parameters stay whole and, with accumulation, every bucket too
+    for world, series in ((2, runs), (3, at3)):
+        sharded, unsharded = series[SHARDED]["memory"], series[UNSHARDED]["memory"]
+        share = unsharded["optimizer_device"] / world
+        assert share - 4 * 64 <= sharded["optimizer_device"] <= share + 16 * 64, world
+        assert sharded["parameters"] == params and sharded["buckets"] >= params, world
+        assert sharded["host"] == 0
+    per_param = {
+        (name, world): device_bytes_per_param(series[name], report["params"])
+        for world, series in ((2, runs), (3, at3))
+        for name in (UNSHARDED, SHARDED)
+    }
+    # the series is monotone: the sharded run holds less at 3 ranks than at 2, by about
+    # 8/2 - 8/3 bytes per parameter of state; the unsharded one holds the same
+    drop = per_param[SHARDED, 2] - per_param[SHARDED, 3]
+    assert 8 / 2 - 8 / 3 - 0.05 < drop < 8 / 2 - 8 / 3 + 0.05
+    assert abs(per_param[UNSHARDED, 2] - per_param[UNSHARDED, 3]) < 0.05
+    assert per_param[SHARDED, 2] < per_param[UNSHARDED, 2] - 3.9
+    for world, series in ((2, runs), (3, at3)):
+        agreed = f"final losses agree across all {len(series)} runs at world size {world}"
+        assert agreed in done.stdout
+    assert "Bytes per parameter on the device against world size" in done.stdout
+    assert f"| {SHARDED} | 3 |" in done.stdout
+    # with accumulation every bucket lives across the micro-batches: no target applies
+    assert "target, leanddp in-backward sharded" not in done.stdout
     assert (out / "bench.md").read_text().strip() == done.stdout.strip()
     # the bytes-per-parameter column is the device categories' sum (parameters included) over
     # the parameter count; torch's DDP holds parameters, gradients, buckets and 2 moments: 20 B
@@ -61,13 +98,14 @@ def test_bench_runs_every_configuration_with_accumulation(tmp_path: Path) -> Non
     assert 20 <= device_bytes_per_param(runs["torch DDP"], report["params"]) < 20.01
     assert device_bytes_per_param(runs["leanddp + offload_to_cpu"], report["params"]) < 10
     assert (out / "bench.png").stat().st_size > 10_000
-    assert "[2/4] leanddp, accumulation 2" in done.stderr  # progress
+    assert "[2/7] leanddp, accumulation 2, world size 2" in done.stderr  # progress
+    assert f"[7/7] {SHARDED}, accumulation 2, world size 3" in done.stderr
 
 
 def test_bench_without_accumulation_frees_gradients_in_backward(tmp_path: Path) -> None:
     done = bench(
         "--steps", "1", "--warmup", "1", "--accum", "1", "--out", str(tmp_path),
-        "--configs", "leanddp + optimizer_in_backward",
+        "--configs", "leanddp + optimizer_in_backward", "--world-sizes", "2",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -78,13 +116,19 @@ def test_bench_without_accumulation_frees_gradients_in_backward(tmp_path: Path) 
     assert "vs torch DDP" in done.stdout  # no torch run to compare with: the ratio is left out
 
 
-def test_bench_rejects_bad_arguments_before_launching() -> None:
+def test_bench_rejects_bad_arguments_before_launching(capsys: pytest.CaptureFixture) -> None:
     done = bench("--accum", "3", timeout=60)
     assert done.returncode == 2
     assert "--accum 3 must divide the batch of 8 sequences" in done.stderr
     assert "runs:" not in done.stderr  # nothing launched
-    done = bench("--steps", "0", timeout=60)
-    assert done.returncode == 2 and "--steps must be at least 1" in done.stderr
+    for argv, message in (
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--world-sizes", "2", "0"], "every world size must be at least 1, got 0"),
+    ):  # the same parser in this process
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and "runs:" not in err
 
 
 def test_report_says_when_final_losses_differ() -> None:
@@ -115,3 +159,47 @@ def test_report_says_when_final_losses_differ() -> None:
     other["losses"] = [2.0, 1.02]
     text, agree = table(report)
     assert not agree and "DIFFER" in text and "2.0e-02 relative" in text
+
+
+def test_report_states_the_sharded_targets_met_or_missed() -> None:
+    """The world-size table and the target lines, from runs whose numbers are known: 100
+    fp32 parameters, buckets of 40 bytes (2 in flight allowed: 0.8 bytes per parameter)."""
+
+    def run(config: str, world: int, seconds: float, state: int, grads: int = 0) -> dict:
+        memory = dict(
+            parameters=400, gradients=grads, buckets=80, optimizer_device=state, host=0,
+            peak_process=4096, largest_bucket=40,
+        )  # fmt: skip
+        return dict(
+            config=config, accum=1, step_seconds=seconds, losses=[2.0, 1.0], memory=memory,
+            host_step=None, world_size=world, backend="gloo",
+        )  # fmt: skip
+
+    report = {
+        "env": dict(command="c", leanddp="0", torch="t", python="p", cpu="x", cpus=2),
+        "args": dict(device="cpu", dtype="fp32", bucket_cap_mb="2", steps="1", warmup="1"),
+        "params": 100,
+        "runs": [
+            run(UNSHARDED, 2, 0.100, 800),
+            run(SHARDED, 2, 0.104, 400),  # 4 + 0.8 + 4 = 8.8 = 4 + 8/2 + 0.8: met
+            run(UNSHARDED, 4, 0.100, 800),
+            run(SHARDED, 4, 0.200, 200, grads=100),  # 7.8 > 4 + 8/4 + 0.8 = 6.8
+        ],
+    }
+    text, agree = table(report)
+    assert agree
+    assert (
+        f"| {SHARDED} | 2 | 104.0 | 1.040 | 4.00 | 0.00 | 0.80 | 4.00 | 0.500 (1/N = 0.500) "
+        in text
+    )
+    assert "| 8.80 | 8.00 + 0.80 = 8.80 | yes |" in text
+    assert "| 7.80 | 6.00 + 0.80 = 6.80 | **no** |" in text
+    assert "world size 2: 8.80 bytes per parameter on the device against 4 + 8/2 = 8.00" in text
+    assert "= 6.80: MISSED (parameters + optimizer state 6.00, buckets 0.80, gradients" in text
+    assert "world size 2, accumulation 1: 1.040" in text and "at world size 2: met." in text
+    assert "world size 4, accumulation 1: 2.000" in text and "no target at world size 4" in text
+    # the main table holds the runs at the first run's world size only
+    assert text.count(f"| {SHARDED} | 1 |") == 1
+    report["args"]["dtype"] = "bf16"  # AdamW's state is not 8 bytes per parameter then
+    text = table(report)[0]
+    assert "MISSED" not in text and f"- target, {SHARDED}" not in text

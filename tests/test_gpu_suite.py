@@ -18,7 +18,13 @@ REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "benchmarks" / "gpu"
 #: the tolerances step_time.py states (largest difference over largest magnitude)
 PARAM_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2}
-LEANDDP_CONFIGS = ["leanddp", "leanddp + optimizer_in_backward", "leanddp + offload_to_cpu"]
+SHARDED = "leanddp in-backward sharded"
+LEANDDP_CONFIGS = [
+    "leanddp",
+    "leanddp + optimizer_in_backward",
+    "leanddp + offload_to_cpu",
+    SHARDED,
+]
 
 
 def suite_module(name: str):
@@ -75,6 +81,18 @@ def test_memory_timeline_json(smoke_dir: Path) -> None:
             assert finite(r["max_buckets_in_flight"], positive=in_backward)
     # the CPU samples are bytes by account: torch's DDP holds 4 + 4 + 4 + 8 bytes per parameter
     assert report["results"][0]["bytes_per_param"] == pytest.approx(20.0, rel=1e-3)
+    # shard_optimizer_state at world size 1: the shard is the whole bucket, so it holds what the
+    # unsharded in-backward run holds, up to the padding and the buckets in flight (gloo's
+    # timing decides whether one or two are held at once)
+    by_name = {r["config"]: r for r in report["results"]}
+    sharded, unsharded = by_name[SHARDED], by_name["leanddp + optimizer_in_backward"]
+    assert sharded["world_size"] == 1
+    gap = sharded["bytes_per_param"] - unsharded["bytes_per_param"]
+    assert abs(gap) <= sharded["allowance_per_param"] + 0.01
+    assert any(
+        f"bytes/param {SHARDED}" in v["line"] and "(4 + 8/N, world size 1)" in v["line"]
+        for v in report["verdicts"]
+    )
     assert report["verdicts"] and all(
         "(cpu smoke: not a target)" in v["line"] for v in report["verdicts"]
     )
@@ -91,7 +109,7 @@ def test_step_time_json_and_parameter_agreement(smoke_dir: Path) -> None:
         for cfg in res["configs"].values():
             assert finite(cfg["step_seconds"]) and finite(cfg["final_loss"])
             assert all(finite(t) for t in cfg["times"])
-        assert len(res["ratios"]) == 4 and all(finite(r["ratio"]) for r in res["ratios"])
+        assert len(res["ratios"]) == 6 and all(finite(r["ratio"]) for r in res["ratios"])
         host = res["host_step"]
         assert finite(host["step_seconds"]) and finite(host["buckets"])
         assert finite(host["hidden"], positive=False) and host["hidden"] <= 1
@@ -100,8 +118,12 @@ def test_step_time_json_and_parameter_agreement(smoke_dir: Path) -> None:
         for name in LEANDDP_CONFIGS:
             diff = res["configs"][name]["param_rel_diff"]
             assert finite(diff, positive=False) and diff <= tolerance, (name, diff)
+    shard_steps = [
+        v for v in report["verdicts"] if f"step time {SHARDED} vs torch DDP" in v["line"]
+    ]
+    assert len(shard_steps) == len(report["results"])
     agreement = [v for v in report["verdicts"] if " parameters " in v["line"]]
-    assert len(agreement) == 3 * len(report["results"])
+    assert len(agreement) == len(LEANDDP_CONFIGS) * len(report["results"])
     assert all(v["passed"] and " agree PASS" in v["line"] for v in agreement)
 
 

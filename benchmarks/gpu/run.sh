@@ -18,7 +18,11 @@
 #           cases (-k cuda) and test_cuda_ddp.py's in_backward cases; a run fails on
 #           "ERROR SUMMARY: N errors" with N > 0, on a failing test, on no summary, on a timeout
 #   the bench part: memory_timeline.py (fp32, bf16), step_time.py (GPT-2 small, bf16 and fp32),
-#           benchmarks/bench_ops.py --device cuda, then report.py: OUT_DIR/report.md
+#           benchmarks/bench_ops.py --device cuda, then report.py: OUT_DIR/report.md; both
+#           benchmarks include leanddp in-backward sharded (shard_optimizer_state) at world size
+#           1 (NCCL), where a rank's shard is the whole bucket: its step time against torch's DDP
+#           (target <= 1.00) and its memory (target 4 + 8/N = 12); the memory saving at N > 1 is
+#           python -m leanddp.bench's world-size series
 #   --smoke (or LEANDDP_GPU_SMOKE=1) the bench part only, on the CPU with the tiny model and few
 #           steps, without bench_ops: checks the scripts where there is no GPU (35-55 s on 2 cores)
 #
@@ -31,7 +35,8 @@
 #   build  a few minutes, one architecture (skipped when nothing changed)
 #   tests  under 10 minutes with the build: pytest ~2-3 min; the three sanitizer runs share what
 #          is left of TESTS_BUDGET_S, counted from the start (each capped at SANITIZER_MAX_S)
-#   bench  ~4 minutes: memory_timeline ~30 s, step_time ~2-3 min, bench_ops ~30 s, report ~5 s
+#   bench  ~4-5 minutes: memory_timeline ~40 s, step_time ~2.5-3.5 min, bench_ops ~30 s,
+#          report ~5 s
 # Every step runs even when an earlier one failed; exit status 1 when any failed, 2 on bad usage.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
@@ -211,11 +216,12 @@ part_tests() {
 }
 
 part_bench() {
-  # GPU: memory_timeline ~30 s (fp32 and bf16, batch 1 x seq 128, the plain model and 4
-  # configurations each); step_time ~2-3 min (GPT-2 small, batch 8 x seq 1024; 2 dtypes x 2
-  # accumulations x 5 configurations x (2 warm-up + 7 rounds x 3) steps; offload_to_cpu's steps
-  # are bound by the host AdamW); bench_ops ~30 s. The limits only stop a run that hangs.
-  local memory=(--dtypes fp32,bf16) steps=(--model gpt2 --dtype bf16,fp32) limits=(180 300 120)
+  # GPU: memory_timeline ~40 s (fp32 and bf16, batch 1 x seq 128, the plain model and 5
+  # configurations each); step_time ~2.5-3.5 min (GPT-2 small, batch 8 x seq 1024; 2 dtypes x 2
+  # accumulations x 6 configurations x (2 warm-up + 7 rounds x 3) steps; offload_to_cpu's steps
+  # are bound by the host AdamW); bench_ops ~30 s. The limits only stop a run that hangs (and
+  # add up to 10 minutes: the bench part fits one device command when nothing is built).
+  local memory=(--dtypes fp32,bf16) steps=(--model gpt2 --dtype bf16,fp32) limits=(150 330 120)
   rm -f "$OUT_DIR"/{memory_timeline,step_time,bench_ops}.json "$OUT_DIR"/*.png "$OUT_DIR/report.md"
   if [ "$SMOKE" = 1 ]; then
     memory=(--smoke) steps=(--smoke) limits=(120 120 0)

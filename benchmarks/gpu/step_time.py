@@ -4,17 +4,22 @@
     python benchmarks/gpu/step_time.py --smoke --out DIR   # CPU, tiny model: checks the script
 
 One process, world size 1 (NCCL on the GPU, gloo on the CPU). For every dtype and accumulation,
-all five wrappers are built up front on copies of the same model (as `python -m leanddp.bench`
+all six wrappers are built up front on copies of the same model (as `python -m leanddp.bench`
 builds them): torch's DDP + AdamW(fused=True) with and without gradient_as_bucket_view, leanddp
-with the same optimizer, leanddp + optimizer_in_backward and leanddp + offload_to_cpu (the same
-AdamW factory). After warm-up steps, every round runs each configuration K steps back to back (the
+with the same optimizer, leanddp + optimizer_in_backward, leanddp + offload_to_cpu and leanddp
+in-backward sharded (optimizer_in_backward with shard_optimizer_state; the same AdamW factory).
+At world size 1 a rank's shard is the whole bucket: the sharded run measures what the sharded
+path costs (its padded buckets, the reduce-scatter and the all-gather of the stepped weights), not
+its memory saving, which `python -m leanddp.bench` measures at several world sizes. After warm-up
+steps, every round runs each configuration K steps back to back (the
 order rotates from round to round), timed around the block: torch.cuda.synchronize() +
 perf_counter on a GPU, perf_counter on the CPU; offload_to_cpu's block ends with
 ddp.synchronize(), so its host work stays inside it. A step is ``accum`` micro-batches of one
 global batch, the first accum - 1 under no_sync(). Reported: the median step time over rounds
 and its ratio to torch's DDP measured in the same rounds; for offload_to_cpu the share of the
 host step hidden behind backward, 1 - wait_seconds / step_seconds from offload_stats() over the
-timed steps; after the timed steps, the largest difference of any parameter from torch's DDP's,
+timed steps; the sharded run against torch's DDP (its target) and against the unsharded
+in-backward run; after the timed steps, the largest difference of any parameter from torch's DDP's,
 relative to the largest parameter magnitude (every configuration saw the same batches and
 steps). Writes step_time.json into --out after every (dtype, accumulation); progress on stderr;
 a markdown table and the VERDICT lines last.
@@ -39,16 +44,21 @@ NAME = "step_time"
 log = functools.partial(c.log, NAME)  # a progress line on stderr
 ANCHOR = "torch DDP"
 VIEWS_ANCHOR = "torch DDP + views"
+SHARDED = c.SHARDED
 #: (contender, anchor): the comparisons reported
 PAIRS = [
     ("leanddp", ANCHOR),
     ("leanddp", VIEWS_ANCHOR),
     ("leanddp + optimizer_in_backward", ANCHOR),
     ("leanddp + offload_to_cpu", ANCHOR),
+    (SHARDED, ANCHOR),
+    (SHARDED, "leanddp + optimizer_in_backward"),
 ]
 OFFLOAD = "leanddp + offload_to_cpu"
 #: leanddp (views) against torch's DDP with views: at most this step-time ratio
 MAX_RATIO = 1.00
+#: leanddp in-backward sharded against torch's DDP (NCCL): at most this step-time ratio
+SHARD_MAX_RATIO = 1.00
 #: offload_to_cpu: at least this share of the host optimizer step hidden behind backward
 MIN_HIDDEN = 0.80
 #: parameters after the timed steps against torch's DDP: largest difference over the largest
@@ -156,8 +166,9 @@ def measure(master, data, args, dtype: str, accum: int) -> dict:
 
 
 def verdicts(results: list[dict], smoke: bool) -> list[dict]:
-    """Per (dtype, accum): leanddp vs torch's DDP with views, the hidden host step, and the
-    parameter agreement of every leanddp configuration (checked on the CPU too)."""
+    """Per (dtype, accum): leanddp vs torch's DDP with views, leanddp in-backward sharded vs
+    torch's DDP, the hidden host step, and the parameter agreement of every leanddp
+    configuration (checked on the CPU too)."""
     out = []
     for res in results:
         where = f"{res['dtype']} accum {res['accum']}"
@@ -169,6 +180,15 @@ def verdicts(results: list[dict], smoke: bool) -> list[dict]:
                 f"{where} step time leanddp vs {VIEWS_ANCHOR} {pair['ratio']:.3f}x",
                 f"target ≤ {MAX_RATIO:.2f}",
                 pair["ratio"] <= MAX_RATIO,
+                smoke,
+            )
+        )
+        pair = next(r for r in res["ratios"] if (r["contender"], r["anchor"]) == (SHARDED, ANCHOR))
+        out.append(
+            c.verdict(
+                f"{where} step time {SHARDED} vs {ANCHOR} {pair['ratio']:.3f}x",
+                f"target ≤ {SHARD_MAX_RATIO:.2f}",
+                pair["ratio"] <= SHARD_MAX_RATIO,
                 smoke,
             )
         )

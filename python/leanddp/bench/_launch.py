@@ -16,14 +16,20 @@ import torch
 from leanddp.bench._env import environment
 from leanddp.bench._model import SIZES, TinyGPT
 from leanddp.bench._report import plot, table
-from leanddp.bench._worker import CONFIGS, DTYPES
+from leanddp.bench._worker import CONFIGS, DTYPES, SHARDED
 
 DEFAULT_CONFIGS = [
     "torch DDP",
     "leanddp",
     "leanddp + optimizer_in_backward",
     "leanddp + offload_to_cpu",
+    SHARDED,
 ]
+#: The configurations also run at every ``--world-sizes`` value: the sharded one and its
+#: unsharded counterpart (the others hold the same bytes per parameter at any world size).
+SERIES_CONFIGS = ["leanddp + optimizer_in_backward", SHARDED]
+#: ``--world-sizes`` on the CPU when not given: ranks share the cores, as in the main runs.
+CPU_WORLD_SIZES = [2, 3, 4]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,10 +38,13 @@ def parser() -> argparse.ArgumentParser:
         description=(
             "Train a small GPT-style model on synthetic tokens once per configuration, each under "
             "its own torchrun (torch's DDP + AdamW(fused=True); leanddp with gradient views; "
-            "+ optimizer_in_backward; + offload_to_cpu), with and without gradient accumulation. "
-            "Prints a table of memory by category, step time and final loss, checks that the "
-            "losses agree, and writes bench.md, bench.json and bench.png into --out. On CPU it "
-            "runs 2 gloo processes; with GPUs, one NCCL process per GPU."
+            "+ optimizer_in_backward; + offload_to_cpu; optimizer_in_backward with "
+            "shard_optimizer_state), with and without gradient accumulation, then the in-backward "
+            "configurations, sharded and not, at each of --world-sizes (first --accum only). "
+            "Prints a table of memory by category, step time and final loss, a table of bytes per "
+            "parameter against world size, checks that the losses agree, and writes bench.md, "
+            "bench.json and bench.png into --out. On CPU it runs 2 gloo processes; with GPUs, one "
+            "NCCL process per GPU."
         ),
     )
     p.add_argument(
@@ -51,6 +60,19 @@ def parser() -> argparse.ArgumentParser:
         default=DEFAULT_CONFIGS,
         metavar="NAME",
         help=f"configurations to run, of {list(CONFIGS)} (default: all but torch DDP + views)",
+    )
+    p.add_argument(
+        "--world-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help=(
+            f"world sizes at which {SERIES_CONFIGS} (those of them in --configs) run too, at the "
+            "first --accum, for bytes per parameter against world size (default: "
+            f"{' '.join(map(str, CPU_WORLD_SIZES))} on CPU, where ranks share the cores; "
+            "--nproc-per-node with GPUs, one GPU per rank)"
+        ),
     )
     p.add_argument(
         "--accum",
@@ -86,13 +108,31 @@ def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
             p.error(f"--accum {a} must divide the batch of {size.batch} sequences")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but torch sees no GPU")
+    for n in args.world_sizes or []:
+        if n < 1:
+            p.error(f"--world-sizes: every world size must be at least 1, got {n}")
+        if args.device == "cuda" and n > torch.cuda.device_count():
+            p.error(
+                f"--world-sizes {n}: one GPU per rank, and torch sees {torch.cuda.device_count()}"
+            )
 
 
-def launch(args: argparse.Namespace, name: str, accum: int, result: Path) -> dict:
-    """Runs one configuration under torchrun; raises if any rank fails."""
+def plan(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """(configuration, accumulation, world size) of every run, in order: each configuration at
+    each accumulation at ``--nproc-per-node`` ranks, then the series configurations at the first
+    accumulation at the other ``--world-sizes``, smallest first."""
+    runs = [(n, a, args.nproc_per_node) for a in args.accum for n in args.configs]
+    series = [n for n in args.configs if n in SERIES_CONFIGS]
+    for world in sorted(set(args.world_sizes) - {args.nproc_per_node}):
+        runs += [(n, args.accum[0], world) for n in series]
+    return runs
+
+
+def launch(args: argparse.Namespace, name: str, accum: int, world: int, result: Path) -> dict:
+    """Runs one configuration under torchrun with ``world`` ranks; raises if any rank fails."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={args.nproc_per_node}", "--module", "leanddp.bench._worker",
+        f"--nproc-per-node={world}", "--module", "leanddp.bench._worker",
         "--config", name, "--accum", str(accum), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--model", args.model, "--dtype", args.dtype,
         "--bucket-cap-mb", str(args.bucket_cap_mb), "--lr", str(args.lr),
@@ -100,10 +140,13 @@ def launch(args: argparse.Namespace, name: str, accum: int, result: Path) -> dic
     ]  # fmt: skip
     env = dict(os.environ)
     if args.device == "cpu":  # the cores shared out between the ranks, as torchrun users set it
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // args.nproc_per_node))
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // world))
     done = subprocess.run(cmd, env=env)
     if done.returncode != 0:
-        raise SystemExit(f"[leanddp.bench] {name} (accum {accum}) failed: rc {done.returncode}")
+        raise SystemExit(
+            f"[leanddp.bench] {name} (accum {accum}, world size {world}) failed: "
+            f"rc {done.returncode}"
+        )
     return json.loads(result.read_text())
 
 
@@ -115,26 +158,35 @@ def main(argv: list[str] | None = None) -> None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.nproc_per_node is None:
         args.nproc_per_node = torch.cuda.device_count() if args.device == "cuda" else 2
+    if args.world_sizes is None:
+        args.world_sizes = CPU_WORLD_SIZES if args.device == "cpu" else [args.nproc_per_node]
     check(args, p)
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = [(n, a) for a in args.accum for n in args.configs]
+    runs = plan(args)
     params = sum(p.numel() for p in TinyGPT(SIZES[args.model]).parameters())
+    others = sorted(set(args.world_sizes) - {args.nproc_per_node})
+    series = [n for n in args.configs if n in SERIES_CONFIGS]
     print(
         f"[leanddp.bench] {len(runs)} runs: {params / 1e6:.2f}M-parameter model, {args.dtype}, "
-        f"{args.nproc_per_node} × {args.device} ({'nccl' if args.device == 'cuda' else 'gloo'})",
+        f"{args.nproc_per_node} × {args.device} ({'nccl' if args.device == 'cuda' else 'gloo'})"
+        + (
+            f"; {' and '.join(series)} also at world size {', '.join(map(str, others))}"
+            if others and series
+            else ""
+        ),
         file=sys.stderr,
         flush=True,
     )
     results, start = [], time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for k, (name, accum) in enumerate(runs):
+        for k, (name, accum, world) in enumerate(runs):
             print(
-                f"[leanddp.bench] [{k + 1}/{len(runs)}] {name}, accumulation {accum} "
-                f"({time.perf_counter() - start:.0f} s)",
+                f"[leanddp.bench] [{k + 1}/{len(runs)}] {name}, accumulation {accum}, "
+                f"world size {world} ({time.perf_counter() - start:.0f} s)",
                 file=sys.stderr,
                 flush=True,
             )
-            results.append(launch(args, name, accum, Path(tmp) / f"{k}.json"))
+            results.append(launch(args, name, accum, world, Path(tmp) / f"{k}.json"))
     report = {
         "env": environment(
             "python -m leanddp.bench " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -149,6 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "bench.json").write_text(json.dumps(report, indent=2))
     if plot(report, args.out / "bench.png"):
         print(f"[leanddp.bench] wrote {args.out / 'bench.png'}", file=sys.stderr)
-    print(f"[leanddp.bench] wrote {args.out / 'bench.md'} and bench.json", file=sys.stderr)
+    print(
+        f"[leanddp.bench] wrote {args.out / 'bench.md'} and bench.json "
+        f"({time.perf_counter() - start:.0f} s)",
+        file=sys.stderr,
+    )
     if not agree:
         raise SystemExit("[leanddp.bench] the final losses differ between configurations")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import textwrap
 from pathlib import Path
 
 #: The torch configuration shares torch's AdamW; leanddp's fused AdamW rounds differently (a few
@@ -12,6 +13,22 @@ from pathlib import Path
 #: the strict bound (1e-5, several steps).
 LOSS_TOLERANCE = 1e-2
 ANCHOR = "torch DDP"
+#: shard_optimizer_state's configuration and the unsharded in-backward one it is compared with
+#: (names of _worker.CONFIGS, repeated here so that the report needs no torch)
+SHARDED = "leanddp in-backward sharded"
+UNSHARDED = "leanddp + optimizer_in_backward"
+#: fp32 AdamW with shard_optimizer_state at world size N: a 4-byte parameter on every rank and
+#: 8/N bytes of state (two fp32 moments, one rank's shard), plus the buckets in flight
+SHARD_TARGET_FIXED = 4.0
+SHARD_TARGET_STATE = 8.0
+#: the buckets in flight allowed on top of that target: launched, reducing or being stepped at
+#: once (the in-backward step window), counted as this many of the largest bucket
+BUCKETS_IN_FLIGHT = 2
+#: the sharded step against the unsharded in-backward one: at most this ratio on the CPU (gloo)
+#: at world size 2, and at most STEP_TARGET_NCCL against torch's DDP on NCCL
+STEP_TARGET_GLOO = 1.05
+STEP_TARGET_GLOO_WORLD = 2
+STEP_TARGET_NCCL = 1.00
 CATEGORIES = ["parameters", "gradients", "buckets", "optimizer_device"]
 LABELS = {
     "parameters": "parameters",
@@ -45,9 +62,66 @@ def step_ms(run: dict) -> tuple[float, float, float]:
     return run["step_seconds"] * 1e3, min(times) * 1e3, max(times) * 1e3
 
 
-def table(report: dict) -> tuple[str, bool]:
-    """Markdown for the runs in ``report``, and whether the final losses agree."""
-    env, runs, args = report["env"], report["runs"], report["args"]
+def main_world(runs: list[dict]) -> int:
+    """The world size of the main runs: the first run's (the launcher runs them first)."""
+    return runs[0]["world_size"]
+
+
+def series_runs(runs: list[dict]) -> list[dict]:
+    """The world-size series: the in-backward runs, unsharded and sharded, at the accumulation
+    the series ran at (the first run's), by configuration, then world size."""
+    accum = runs[0]["accum"]
+    rows = [r for r in runs if r["config"] in (UNSHARDED, SHARDED) and r["accum"] == accum]
+    return sorted(rows, key=lambda r: (r["config"] == SHARDED, r["world_size"]))
+
+
+def shard_target(run: dict, params: int, dtype: str) -> tuple[float, float] | None:
+    """The sharded run's target in bytes per parameter on the device, as (4 + 8/N, allowance
+    for the buckets in flight: BUCKETS_IN_FLIGHT times its largest bucket); None where the
+    target does not apply: another configuration, another dtype than fp32 (AdamW's state is
+    then not 8 bytes per parameter), or with accumulation (every bucket must then live across
+    the micro-batches), or a run that did not record its largest bucket."""
+    largest = run["memory"].get("largest_bucket")
+    if run["config"] != SHARDED or dtype != "fp32" or run["accum"] != 1 or largest is None:
+        return None
+    fixed = SHARD_TARGET_FIXED + SHARD_TARGET_STATE / run["world_size"]
+    return fixed, BUCKETS_IN_FLIGHT * largest / params
+
+
+def counterpart(run: dict, runs: list[dict], name: str) -> dict | None:
+    """The run of configuration ``name`` at ``run``'s world size and accumulation, if any."""
+    for r in runs:
+        if (r["config"], r["world_size"], r["accum"]) == (name, run["world_size"], run["accum"]):
+            return r
+    return None
+
+
+def losses_agree(runs: list[dict]) -> tuple[list[str], bool]:
+    """One line per world size on whether the final losses agree (runs at different world
+    sizes train on different global batches: they are compared within a world size)."""
+    groups: dict[int, list[dict]] = {}
+    for r in runs:
+        groups.setdefault(r["world_size"], []).append(r)
+    lines, agree = [], True
+    for world, group in groups.items():
+        ref = group[0]
+        final = ref["losses"][-1]
+        spread = max(abs(r["losses"][-1] - final) for r in group) / abs(final)
+        ok = spread <= LOSS_TOLERANCE
+        agree = agree and ok
+        where = f" at world size {world}" if len(groups) > 1 else ""
+        lines.append(
+            f"- final losses {'agree' if ok else 'DIFFER'} across all {len(group)} runs{where}: "
+            f"the largest difference from {ref['config']} (accumulation {ref['accum']}) is "
+            f"{spread:.1e} relative (tolerance {LOSS_TOLERANCE:.0e}); every run"
+            f"{where and ' there'} takes the same global batch per step."
+        )
+    return lines, agree
+
+
+def main_table(report: dict, runs: list[dict]) -> list[str]:
+    """The table of every configuration at the main world size, and the offload lines."""
+    env, args = report["env"], report["args"]
     on_gpu = args["device"] == "cuda"
     anchor = {r["accum"]: r["step_seconds"] for r in runs if r["config"] == ANCHOR}
     where = f"{env.get('gpu', '')} CUDA {env['cuda']}" if on_gpu else env["cpu"]
@@ -91,25 +165,142 @@ def table(report: dict) -> tuple[str, bool]:
                 f"{h['step_seconds']:.3f} s over {h['buckets']} bucket steps and the loop waited "
                 f"{h['wait_seconds']:.3f} s: {hidden:.0%} of the host step hidden."
             )
-    ref = next(r for r in runs if r["accum"] == runs[0]["accum"])
-    final = ref["losses"][-1]
-    spread = max(abs(r["losses"][-1] - final) for r in runs) / abs(final)
-    agree = spread <= LOSS_TOLERANCE
-    lines.append(
-        f"- final losses {'agree' if agree else 'DIFFER'} across all {len(runs)} runs: the largest "
-        f"difference from {ref['config']} (accumulation {ref['accum']}) is {spread:.1e} relative "
-        f"(tolerance {LOSS_TOLERANCE:.0e}); every run takes the same global batch per step."
-    )
-    return "\n".join(lines), agree
+    return lines
+
+
+def world_table(report: dict, series: list[dict]) -> list[str]:
+    """Bytes per parameter on the device by category against world size, with the target."""
+    params, dtype = report["params"], report["args"]["dtype"]
+    cpus = report["env"].get("cpus") if report["args"]["device"] == "cpu" else None
+    lines = [
+        f"Bytes per parameter on the device against world size, accumulation "
+        f"{series[0]['accum']}: {UNSHARDED} and {SHARDED} (shard_optimizer_state); every "
+        "column but the step time and the loss in bytes per parameter (rank 0); target, for "
+        f"fp32 AdamW without accumulation: 4 + 8/N, plus {BUCKETS_IN_FLIGHT} of the largest "
+        "bucket in flight; optimizer state as a share of the unsharded run's at the same world "
+        "size (1/N is the aim)"
+        + (f"; with more ranks than the {cpus} CPUs, ranks share cores" if cpus else ""),
+        "",
+        "| configuration | world size | step (ms) | step vs unsharded | parameters | gradients "
+        "| buckets | optimizer state | optimizer state vs unsharded | bytes per parameter on the "
+        "device | target: 4 + 8/N + buckets in flight | met | final loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in series:
+        m = r["memory"]
+        per = {c: m[c] / params for c in DEVICE_CATEGORIES}
+        total = device_bytes_per_param(r, params)
+        other = counterpart(r, series, UNSHARDED) if r["config"] == SHARDED else None
+        step = state = target = met = "—"
+        if other is not None:
+            step = f"{r['step_seconds'] / other['step_seconds']:.3f}"
+            unsharded_state = other["memory"]["optimizer_device"]
+            if unsharded_state:
+                state = f"{m['optimizer_device'] / unsharded_state:.3f} (1/N = "
+                state += f"{1 / r['world_size']:.3f})"
+        bound = shard_target(r, params, dtype)
+        if bound is not None:
+            fixed, allowance = bound
+            target = f"{fixed:.2f} + {allowance:.2f} = {fixed + allowance:.2f}"
+            met = "yes" if total <= fixed + allowance else "**no**"
+        lines.append(
+            f"| {r['config']} | {r['world_size']} | {r['step_seconds'] * 1e3:.1f} | {step} "
+            f"| {per['parameters']:.2f} | {per['gradients']:.2f} | {per['buckets']:.2f} "
+            f"| {per['optimizer_device']:.2f} | {state} | {total:.2f} | {target} | {met} "
+            f"| {r['losses'][-1]:.5f} |"
+        )
+    return lines
+
+
+def target_lines(report: dict, runs: list[dict]) -> list[str]:
+    """shard_optimizer_state's targets, met or not, in words: bytes per parameter at each world
+    size, and the sharded step time against its anchor (the unsharded in-backward run on gloo,
+    torch's DDP on NCCL) at the same world size and accumulation."""
+    params, dtype = report["params"], report["args"]["dtype"]
+    lines = []
+    for r in runs:
+        bound = shard_target(r, params, dtype)
+        if bound is None:
+            continue
+        fixed, allowance = bound
+        total = device_bytes_per_param(r, params)
+        m = r["memory"]
+        kept = (m["parameters"] + m["optimizer_device"]) / params
+        lines.append(
+            f"- target, {SHARDED}, world size {r['world_size']}: {total:.2f} bytes per parameter "
+            f"on the device against 4 + 8/{r['world_size']} = {fixed:.2f}, + {allowance:.2f} for "
+            f"{BUCKETS_IN_FLIGHT} buckets in flight (largest bucket "
+            f"{mib(m['largest_bucket'])} MiB) = {fixed + allowance:.2f}: "
+            + ("met" if total <= fixed + allowance else "MISSED")
+            + f" (parameters + optimizer state {kept:.2f}, buckets "
+            f"{m['buckets'] / params:.2f}, gradients outside the buckets "
+            f"{m['gradients'] / params:.2f})."
+        )
+    for r in runs:
+        if r["config"] != SHARDED:
+            continue
+        nccl = r["backend"] == "nccl"
+        other = counterpart(r, runs, ANCHOR if nccl else UNSHARDED)
+        if other is None:
+            continue
+        ratio = r["step_seconds"] / other["step_seconds"]
+        line = (
+            f"- step time, {SHARDED} against {other['config']}, world size {r['world_size']}, "
+            f"accumulation {r['accum']}: {ratio:.3f} (medians {r['step_seconds'] * 1e3:.1f} and "
+            f"{other['step_seconds'] * 1e3:.1f} ms, separate launches)"
+        )
+        if nccl:
+            met = ratio <= STEP_TARGET_NCCL
+            line += f"; target ≤ {STEP_TARGET_NCCL:.2f} on NCCL: {'met' if met else 'MISSED'}."
+        elif r["world_size"] == STEP_TARGET_GLOO_WORLD:
+            met = ratio <= STEP_TARGET_GLOO
+            line += (
+                f"; target ≤ {STEP_TARGET_GLOO:.2f} on gloo at world size "
+                f"{STEP_TARGET_GLOO_WORLD}: {'met' if met else 'MISSED'}."
+            )
+        else:
+            line += f"; no target at world size {r['world_size']}."
+        lines.append(line)
+    return lines
+
+
+def table(report: dict) -> tuple[str, bool]:
+    """Markdown for the runs in ``report``, and whether the final losses agree.
+
+    The main table holds the runs at the main world size; the runs of the world-size series,
+    when there are any, get a table of their own with shard_optimizer_state's targets."""
+    runs = report["runs"]
+    world = main_world(runs)
+    lines = main_table(report, [r for r in runs if r["world_size"] == world])
+    agreement, agree = losses_agree(runs)
+    lines += agreement
+    series = series_runs(runs)
+    if series and (
+        any(r["config"] == SHARDED for r in series) or len({r["world_size"] for r in runs}) > 1
+    ):
+        lines += ["", *world_table(report, series), "", *target_lines(report, runs)]
+    return "\n".join(lines).rstrip(), agree
+
+
+def label(run: dict) -> str:
+    """A run's name on the chart's x axis, wrapped to fit under its bar."""
+    name = run["config"]
+    if " + " in name:
+        name = name.replace(" + ", "\n+ ")
+    else:
+        name = textwrap.fill(name, 16, break_on_hyphens=False)
+    return f"{name}\naccum {run['accum']}"
 
 
 def plot(report: dict, path: Path) -> bool:
     """The saving per configuration, the process's peak and step time, as a PNG.
 
-    Three panels over the same runs: bytes per parameter on the device by category (the
-    saving, with its percentage against torch's DDP), the process's peak memory (on CPU the
-    "host" of offload_to_cpu is the same RAM, which the caption says), and step time as the
-    median with every timed step shown. False without matplotlib.
+    Three panels over the runs at the main world size: bytes per parameter on the device by
+    category (the saving, with its percentage against torch's DDP), the process's peak memory
+    (on CPU the "host" of offload_to_cpu is the same RAM, which the caption says), and step
+    time as the median with every timed step shown. With a world-size series, a fourth panel:
+    bytes per parameter on the device against world size (:func:`world_panel`). False without
+    matplotlib.
     """
     try:
         import matplotlib
@@ -119,14 +310,21 @@ def plot(report: dict, path: Path) -> bool:
     except ImportError:
         print("[leanddp.bench] matplotlib is not installed: no PNG written", file=sys.stderr)
         return False
-    runs, params = report["runs"], report["params"]
+    params = report["params"]
+    runs = [r for r in report["runs"] if r["world_size"] == main_world(report["runs"])]
+    series = series_runs(report["runs"])
+    with_world = len({r["world_size"] for r in series}) > 1
     gpu = report["args"]["device"] == "cuda"
-    labels = [f"{r['config'].replace(' + ', chr(10) + '+ ')}\naccum {r['accum']}" for r in runs]
+    labels = [label(r) for r in runs]
     xs = list(range(len(runs)))
-    fig, (ax1, ax2, ax3) = plt.subplots(
-        3, 1, sharex=True, figsize=(max(10, 1.55 * len(runs)), 10.5),
-        gridspec_kw={"height_ratios": [2.4, 1, 1.2]},
-    )  # fmt: skip
+    ratios = [2.4, 1, 1.2] + ([2.2] if with_world else [])
+    fig = plt.figure(figsize=(max(10, 1.55 * len(runs)), 10.5 + (5 if with_world else 0)))
+    grid = fig.add_gridspec(len(ratios), 1, height_ratios=ratios)
+    ax1 = fig.add_subplot(grid[0])
+    ax2 = fig.add_subplot(grid[1], sharex=ax1)
+    ax3 = fig.add_subplot(grid[2], sharex=ax1)
+    for ax in (ax1, ax2):
+        ax.tick_params(labelbottom=False)
     colors = {
         "parameters": "#bbb",
         "gradients": "#e9a",
@@ -183,6 +381,8 @@ def plot(report: dict, path: Path) -> bool:
     ax3.set_ylabel("ms")
     ax3.set_ylim(0, 1.15 * max(max(r.get("step_times") or [r["step_seconds"]]) for r in runs) * 1e3)
     ax3.set_xticks(xs, labels, fontsize=8)
+    if with_world:
+        world_panel(fig.add_subplot(grid[3]), report, series)
     first = runs[0]
     fig.suptitle(
         f"leanddp vs torch DDP — {params / 1e6:.1f}M parameters, {report['args']['dtype']}, "
@@ -192,3 +392,64 @@ def plot(report: dict, path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def world_panel(ax, report: dict, series: list[dict]) -> None:
+    """Bytes per parameter on the device against world size: the series' configurations where
+    they were measured (one marker per run), the other configurations at the main world size
+    only, and, for fp32 without accumulation, the target 4 + 8/N (a formula, dashed) with the
+    sharded runs' allowance for buckets in flight on top (dotted, at the measured sizes)."""
+    params, dtype = report["params"], report["args"]["dtype"]
+    accum = series[0]["accum"]
+    worlds = sorted({r["world_size"] for r in series})
+    style = {UNSHARDED: ("#79c", "s"), SHARDED: ("#2a7", "o")}
+    for name, (color, marker) in style.items():
+        points = [(r["world_size"], device_bytes_per_param(r, params)) for r in series]
+        points = [p for p, r in zip(points, series, strict=True) if r["config"] == name]
+        if not points:
+            continue
+        xs, ys = [x for x, _ in points], [y for _, y in points]
+        ax.plot(xs, ys, color=color, marker=marker, linewidth=2, label=name)
+        for x, y in points:
+            ax.annotate(
+                f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 7), ha="center",
+                fontsize=8, color=color, fontweight="bold",
+            )  # fmt: skip
+    world = main_world(report["runs"])
+    others = [
+        r
+        for r in report["runs"]
+        if r["world_size"] == world and r["accum"] == accum and r["config"] not in style
+    ]
+    for r, marker in zip(others, "D^vP*X", strict=False):
+        y = device_bytes_per_param(r, params)
+        ax.scatter([world], [y], marker=marker, color="#555", zorder=3, label=r["config"])
+        ax.annotate(f"{y:.1f}", (world, y), textcoords="offset points", xytext=(8, -3), fontsize=8)
+    bounds = [(r["world_size"], shard_target(r, params, dtype)) for r in series]
+    bounds = [(n, b) for n, b in bounds if b is not None]
+    if bounds and dtype == "fp32" and accum == 1:
+        lo, hi = worlds[0], worlds[-1]
+        ns = [lo + (hi - lo) * k / 100 for k in range(101)]
+        ax.plot(
+            ns, [SHARD_TARGET_FIXED + SHARD_TARGET_STATE / n for n in ns], "--", color="k",
+            linewidth=1, label="target 4 + 8/N (fp32 AdamW)",
+        )  # fmt: skip
+        ax.plot(
+            [n for n, _ in bounds], [sum(b) for _, b in bounds], ":", color="k", marker="_",
+            markersize=12, linewidth=1,
+            label=f"target + {BUCKETS_IN_FLIGHT} of the largest bucket in flight",
+        )  # fmt: skip
+    ax.set_xticks(worlds, [str(n) for n in worlds])
+    ax.set_xlim(worlds[0] - 0.5, worlds[-1] + 0.5)
+    ax.set_ylim(0, 1.15 * max(line.get_ydata().max() for line in ax.get_lines()))
+    if others:  # the other configurations are single markers (collections), not lines
+        top = max(device_bytes_per_param(r, params) for r in others)
+        ax.set_ylim(0, max(ax.get_ylim()[1], 1.15 * top))
+    ax.set_xlabel("world size N (ranks)")
+    ax.set_ylabel("bytes per parameter")
+    ax.set_title(
+        f"bytes per parameter on the device against world size, accumulation {accum}: "
+        f"measured at each marker (others at world size {world} only)",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8, loc="upper right", ncol=2)

@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,13 +27,31 @@ from torch import nn
 import leanddp
 from leanddp.bench._model import SIZES, TinyGPT, batches, loss_of
 
-#: name -> (wrapper, gradient_as_bucket_view, optimizer_in_backward, offload_to_cpu)
+
+class Config(NamedTuple):
+    """How one configuration wraps the model (every one trains with AdamW(fused=True))."""
+
+    wrapper: str
+    """``"torch"`` (torch's DDP) or ``"leanddp"``."""
+    views: bool
+    """``gradient_as_bucket_view``."""
+    in_backward: bool
+    """``optimizer_in_backward``: the AdamW steps each bucket inside backward."""
+    offload: bool
+    """``offload_to_cpu``."""
+    shard: bool = False
+    """``shard_optimizer_state``: each rank steps, and keeps AdamW state for, 1/N of a bucket."""
+
+
+#: The in-backward configuration with shard_optimizer_state.
+SHARDED = "leanddp in-backward sharded"
 CONFIGS = {
-    "torch DDP": ("torch", False, False, False),
-    "torch DDP + views": ("torch", True, False, False),
-    "leanddp": ("leanddp", True, False, False),
-    "leanddp + optimizer_in_backward": ("leanddp", True, True, False),
-    "leanddp + offload_to_cpu": ("leanddp", True, True, True),
+    "torch DDP": Config("torch", False, False, False),
+    "torch DDP + views": Config("torch", True, False, False),
+    "leanddp": Config("leanddp", True, False, False),
+    "leanddp + optimizer_in_backward": Config("leanddp", True, True, False),
+    "leanddp + offload_to_cpu": Config("leanddp", True, True, True),
+    SHARDED: Config("leanddp", True, True, False, shard=True),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -44,7 +63,7 @@ def log(msg: str) -> None:
 
 def build(name: str, model: nn.Module, args: argparse.Namespace, device: torch.device):
     """The wrapped model and the optimizer the loop steps (None: stepped inside backward)."""
-    wrapper, views, in_backward, offload = CONFIGS[name]
+    wrapper, views, in_backward, offload, shard = CONFIGS[name]
     adamw = functools.partial(torch.optim.AdamW, lr=args.lr, fused=True)
     kw = dict(bucket_cap_mb=args.bucket_cap_mb)
     if device.type == "cuda":
@@ -54,6 +73,8 @@ def build(name: str, model: nn.Module, args: argparse.Namespace, device: torch.d
         return ddp, adamw(ddp.parameters())
     if in_backward:
         kw.update(optimizer_in_backward=adamw, offload_to_cpu=offload)
+        if shard:
+            kw["shard_optimizer_state"] = True
         return leanddp.DistributedDataParallel(model, **kw), None
     ddp = leanddp.DistributedDataParallel(model, **kw)
     return ddp, adamw(ddp.parameters())
@@ -100,7 +121,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 
 def measure(name: str, ddp: nn.Module, opt, batch: torch.Tensor, accum: int) -> dict[str, int]:
     """One more step that measures gradients, buckets and optimizer state (bytes, rank 0)."""
-    wrapper, _, in_backward, offload = CONFIGS[name]
+    wrapper, _, in_backward, offload, _ = CONFIGS[name]
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     out = {"parameters": storages_bytes(params), "host": 0}
     if wrapper == "torch":
@@ -134,8 +155,9 @@ def measure(name: str, ddp: nn.Module, opt, batch: torch.Tensor, accum: int) -> 
     elif offload:
         out["optimizer_device"] = 0
         out["host"] = s["optimizer_state_bytes"] + s["host_master_bytes"] + s["host_buffer_bytes"]
-    else:
+    else:  # with shard_optimizer_state: this rank's shard
         out["optimizer_device"] = s["optimizer_state_bytes"]
+    out["largest_bucket"] = max(ddp.reducer.bucket_bytes(), default=0)
     return out
 
 
@@ -165,7 +187,7 @@ def run(args: argparse.Namespace) -> dict:
     model = TinyGPT(size).to(device=device, dtype=DTYPES[args.dtype])
     ddp, opt = build(args.config, model, args, device)
     losses = []
-    before = ddp.offload_stats() if CONFIGS[args.config][3] else None
+    before = ddp.offload_stats() if CONFIGS[args.config].offload else None
     marks = []  # the start of each timed step, and the end of the last one
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
