@@ -16,7 +16,7 @@ import torch
 from leanddp.bench._env import environment
 from leanddp.bench._model import SIZES, TinyGPT
 from leanddp.bench._report import plot, table
-from leanddp.bench._worker import CONFIGS, DTYPES, SHARDED
+from leanddp.bench._worker import CONFIGS, DTYPES, SHARDED, SHARDED_OFFLOAD
 
 DEFAULT_CONFIGS = [
     "torch DDP",
@@ -24,6 +24,7 @@ DEFAULT_CONFIGS = [
     "leanddp + optimizer_in_backward",
     "leanddp + offload_to_cpu",
     SHARDED,
+    SHARDED_OFFLOAD,
 ]
 #: The configurations also run at every ``--world-sizes`` value: the sharded one and its
 #: unsharded counterpart (the others hold the same bytes per parameter at any world size).

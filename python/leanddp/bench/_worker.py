@@ -45,6 +45,8 @@ class Config(NamedTuple):
 
 #: The in-backward configuration with shard_optimizer_state.
 SHARDED = "leanddp in-backward sharded"
+#: The offload_to_cpu configuration with shard_optimizer_state (each host holds 1/N).
+SHARDED_OFFLOAD = "leanddp offload sharded"
 CONFIGS = {
     "torch DDP": Config("torch", False, False, False),
     "torch DDP + views": Config("torch", True, False, False),
@@ -52,6 +54,7 @@ CONFIGS = {
     "leanddp + optimizer_in_backward": Config("leanddp", True, True, False),
     "leanddp + offload_to_cpu": Config("leanddp", True, True, True),
     SHARDED: Config("leanddp", True, True, False, shard=True),
+    SHARDED_OFFLOAD: Config("leanddp", True, True, True, shard=True),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
