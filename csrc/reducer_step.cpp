@@ -177,6 +177,9 @@ Reducer::Detached Reducer::close() {
   detached.works = std::move(works_);
   detached.futures = std::move(futures_);
   if (local_used_work_) detached.works.push_back(std::move(local_used_work_));
+  for (auto& gather : gathers_) {  // (shard_optimizer_state: a backward that never finished)
+    if (gather) detached.works.push_back(std::move(gather));
+  }
   detached.comm_hook = std::move(comm_hook_);
   detached.fallback = std::move(fallback_);
   works_.assign(buckets_.size(), {});

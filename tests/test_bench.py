@@ -15,7 +15,8 @@ from leanddp.bench._report import device_bytes_per_param, table
 
 SHARDED = "leanddp in-backward sharded"
 UNSHARDED = "leanddp + optimizer_in_backward"
-CONFIGS = ["torch DDP", "leanddp", UNSHARDED, "leanddp + offload_to_cpu", SHARDED]
+SHARDED_OFFLOAD = "leanddp offload sharded"
+CONFIGS = ["torch DDP", "leanddp", UNSHARDED, "leanddp + offload_to_cpu", SHARDED, SHARDED_OFFLOAD]
 
 
 def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -57,6 +58,10 @@ def test_bench_runs_every_configuration_with_accumulation(tmp_path: Path) -> Non
     assert off["memory"]["optimizer_device"] == 0
     assert off["memory"]["host"] >= 3 * params  # moments + masters (+ staging)
     assert off["host_step"]["buckets"] > 0
+    # offload_to_cpu with shard_optimizer_state: each host holds half (2 ranks), within padding
+    half = runs[SHARDED_OFFLOAD]["memory"]
+    assert abs(half["host"] - off["memory"]["host"] / 2) <= 16 * 64 * 3, half["host"]
+    assert half["optimizer_device"] == 0
     # shard_optimizer_state: this rank keeps 1/N of the unsharded AdamW state (rank 0's shard
     # holds no padding: at least the N-th part, at most a few 16-byte units above it); the
     # parameters stay whole and, with accumulation, every bucket too
@@ -98,8 +103,8 @@ def test_bench_runs_every_configuration_with_accumulation(tmp_path: Path) -> Non
     assert 20 <= device_bytes_per_param(runs["torch DDP"], report["params"]) < 20.01
     assert device_bytes_per_param(runs["leanddp + offload_to_cpu"], report["params"]) < 10
     assert (out / "bench.png").stat().st_size > 10_000
-    assert "[2/7] leanddp, accumulation 2, world size 2" in done.stderr  # progress
-    assert f"[7/7] {SHARDED}, accumulation 2, world size 3" in done.stderr
+    assert "[2/8] leanddp, accumulation 2, world size 2" in done.stderr  # progress
+    assert f"[8/8] {SHARDED}, accumulation 2, world size 3" in done.stderr
 
 
 def test_bench_without_accumulation_frees_gradients_in_backward(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ def wrap(config: str, **kwargs) -> leanddp.DistributedDataParallel:
 
 
 @pytest.mark.parametrize("how", ["dies", "raises"])
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c != "sharded_offload"])
 def test_survivor_raises_within_the_timeout(config: str, how: str) -> None:
     start = time.monotonic()
     outcomes = run_faulty(2, _timed_survivor, config, how)

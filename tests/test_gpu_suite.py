@@ -24,6 +24,7 @@ LEANDDP_CONFIGS = [
     "leanddp + optimizer_in_backward",
     "leanddp + offload_to_cpu",
     SHARDED,
+    "leanddp offload sharded",
 ]
 
 

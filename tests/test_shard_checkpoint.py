@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -63,9 +62,22 @@ def _load(rank: int, world_size: int, path: Path, name: str, kwargs: dict) -> No
         assert_params_close(run, f"{name} after loading, step {step}")
 
 
-@pytest.mark.parametrize(
-    "name,kwargs", [("adamw-groups", {}), ("sgd-nesterov", {"offload_to_cpu": True})]
-)
-def test_saved_on_two_ranks_loaded_on_three(tmp_path: Path, name: str, kwargs: dict) -> None:
-    run_ranks(2, _save, tmp_path, name, kwargs)
-    run_ranks(3, _load, tmp_path, name, kwargs)
+CASES = [("adamw-groups", {}), ("sgd-nesterov", {"offload_to_cpu": True})]
+
+
+def _save_all(rank: int, world_size: int, path: Path) -> None:
+    for k, (name, kwargs) in enumerate(CASES):
+        _save(rank, world_size, path / str(k), name, kwargs)
+
+
+def _load_all(rank: int, world_size: int, path: Path) -> None:
+    for k, (name, kwargs) in enumerate(CASES):
+        _load(rank, world_size, path / str(k), name, kwargs)
+
+
+def test_saved_on_two_ranks_loaded_on_three(tmp_path: Path) -> None:
+    """On the device (AdamW, two groups) and with offload_to_cpu (SGD with momentum)."""
+    for k in range(len(CASES)):
+        (tmp_path / str(k)).mkdir()
+    run_ranks(2, _save_all, tmp_path)
+    run_ranks(3, _load_all, tmp_path)

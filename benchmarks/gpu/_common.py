@@ -19,7 +19,12 @@ from torch import nn
 
 from leanddp.bench._env import environment
 from leanddp.bench._model import SIZES, ModelSize, TinyGPT
-from leanddp.bench._worker import CONFIGS, SHARDED, build  # noqa: F401 (as the demo's)
+from leanddp.bench._worker import (  # noqa: F401 (as the demo's)
+    CONFIGS,
+    SHARDED,
+    SHARDED_OFFLOAD,
+    build,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: ``LEANDDP_GPU_SMOKE=1`` runs the benchmarks as ``--smoke`` does: CPU, tiny model, few steps.

@@ -48,12 +48,13 @@ CONFIGS = [
     "leanddp + optimizer_in_backward",
     "leanddp + offload_to_cpu",
     c.SHARDED,
+    c.SHARDED_OFFLOAD,
 ]
 IN_BACKWARD = CONFIGS[2:]
 #: fp32 AdamW, bytes per parameter: parameters + gradients + buckets + device optimizer state
 TORCH_DDP_BYTES = 20.0
 TORCH_DDP_TOLERANCE = 1.0
-MAX_BYTES = {CONFIGS[1]: 16.5, CONFIGS[2]: 12.5, CONFIGS[3]: 4.5}
+MAX_BYTES = {CONFIGS[1]: 16.5, CONFIGS[2]: 12.5, CONFIGS[3]: 4.5, c.SHARDED_OFFLOAD: 4.5}
 #: shard_optimizer_state at world size N: 4 + 8/N (the parameter, 1/N of AdamW's two moments);
 #: at this suite's world size 1 that is the unsharded 12
 SHARD_FIXED, SHARD_STATE = 4.0, 8.0
