@@ -21,7 +21,8 @@
 //     step is waited for. Nothing else on the hot path waits for the device.
 // With shard_optimizer_state a bucket is reduce-scattered instead of allreduced, its step covers
 // this rank's shard, and the stepped shards are all-gathered back into the parameters as part of
-// the bucket's step (on the side stream on a GPU; the host waits for the gather on the CPU).
+// the bucket's step (on the side stream on a GPU; on the CPU the host waits for the gather at the
+// next bucket's step).
 // Its steps run only where the window forces them (before a launch when it is full, and at the
 // end of backward), never as reductions happen to complete: so every rank issues its
 // reduce-scatters and all-gathers in the same order on the one process group. On the CPU a
