@@ -62,6 +62,29 @@ def _in_backward(rank: int, world_size: int) -> None:
         assert run.ours.memory_stats()["max_buckets_in_flight"] <= _C.BUCKETS_IN_FLIGHT
 
 
+def _sharded(rank: int, world_size: int) -> None:
+    """shard_optimizer_state on the device and with offload_to_cpu: parameters within 1e-5 of
+    torch's after every step, and the gathered state torch's optimizer's."""
+    cases = itertools.product(("adamw", "sgd-nesterov"), (1, 3), (False, True), (False, True))
+    for name, accum, tiny, offload in cases:
+        run = InBackwardLockStep(
+            Net(rank=rank, f64=False).cuda(),
+            OPTIMIZERS[name],
+            offload=offload,
+            bucket_cap_mb=0.0005 if tiny else None,
+            ours_kwargs=dict(shard_optimizer_state=True),
+        )
+        what = f"cuda sharded {name} accum={accum} tiny={tiny} offload={offload}"
+        for step in range(STEPS):
+            run.step(_batches(accum), legacy_calls=step % 2 == 1)
+            assert_params_close(run, f"{what} step {step}")
+        saved = run.ours.optimizer.state_dict()["state"]
+        for index, entry in run.ref_opt.state_dict()["state"].items():
+            for key, value in entry.items():
+                ours = saved[index][key].to(value.device)
+                torch.testing.assert_close(ours, value, rtol=1e-5, atol=1e-6, msg=what)
+
+
 def _with_hooks(rank: int, world_size: int) -> None:
     """A communication hook with optimizer_in_backward (its future is waited for on the side
     stream), against torch's DDP with the same hook + the same optimizer."""
@@ -148,14 +171,14 @@ def _nan_on_the_device(rank: int, world_size: int) -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [_views, _in_backward, _with_hooks, _strict, _nan_on_the_device],
+    [_views, _in_backward, _with_hooks, _strict, _nan_on_the_device, _sharded],
     ids=lambda f: f.__name__,
 )
 def test_nccl_world_size_1(body) -> None:
     run_ranks(1, body, backend="nccl")
 
 
-@pytest.mark.parametrize("body", [_views, _in_backward], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("body", [_views, _in_backward, _sharded], ids=lambda f: f.__name__)
 def test_two_gloo_ranks_sharing_the_gpu(body) -> None:
     run_ranks(2, body)
 
@@ -204,8 +227,9 @@ def _sync_free(rank: int, world_size: int, config: str) -> None:
     on leanddp's hot path (forward glue, hooks, launches, in-backward steps, offload copies)
     raises. With check_for_nan_in_grad ("nan_check"), exactly one per synchronized backward:
     the read of the check's device flags at its end. "fp16_scaler": fp16 parameters stepped by
-    the fused kernels under a GradScaler, with a tensor lr."""
-    fused = config in ("in_backward", "fp16_scaler")  # nan_check: Adam's counts on the host
+    the fused kernels under a GradScaler, with a tensor lr. "sharded": shard_optimizer_state
+    (reduce-scatter, step, all-gather, all ordered on the side stream)."""
+    fused = config in ("in_backward", "fp16_scaler", "sharded")  # nan_check: counts on the host
     lr = torch.tensor(1e-3, device="cuda") if config == "fp16_scaler" else 1e-3
     factory = functools.partial(torch.optim.AdamW, lr=lr, fused=fused)
     kwargs = dict(device_ids=[0], bucket_cap_mb=0.0005)
@@ -213,6 +237,8 @@ def _sync_free(rank: int, world_size: int, config: str) -> None:
         kwargs["optimizer_in_backward"] = factory
     if config == "offload":
         kwargs["offload_to_cpu"] = True
+    if config == "sharded":
+        kwargs["shard_optimizer_state"] = True
     if config == "nan_check":
         kwargs["check_for_nan_in_grad"] = True
     model = Net(rank=rank, f64=False).cuda()
@@ -258,7 +284,9 @@ def _sync_free(rank: int, world_size: int, config: str) -> None:
         assert ddp._in_backward.fallback.calls == 0
 
 
-@pytest.mark.parametrize("config", ["views", "in_backward", "offload", "nan_check", "fp16_scaler"])
+@pytest.mark.parametrize(
+    "config", ["views", "in_backward", "offload", "nan_check", "fp16_scaler", "sharded"]
+)
 def test_no_host_synchronization_per_iteration(config: str) -> None:
     run_ranks(1, _sync_free, config, backend="nccl")
 
