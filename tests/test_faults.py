@@ -115,7 +115,7 @@ def _different_parameters(rank: int, world_size: int, config: str) -> dict:
     return {}
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c != "sharded_offload"])
 def test_ranks_using_different_parameters_raise(config: str) -> None:
     rank0, rank1 = (o.value for o in run_faulty(2, _different_parameters, config))
     assert "layers.1.weight" in rank1["message"] and "find_unused_parameters" in rank1["message"]
