@@ -441,3 +441,66 @@ def test_cuda_is_bit_identical_to_cpu(grad_dtype):
     for lst_cpu, lst_gpu in zip(cpu + [copies[0]], gpu + [copies[1]], strict=True):
         for a, b in zip(lst_cpu, lst_gpu, strict=True):
             assert torch.equal(a, b.cpu())
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+@pytest.mark.parametrize("lr_kind", ["float", "float32-tensor", "float64-tensor"])
+def test_adam_with_step_tensors_matches_torch_fused(device, decoupled, lr_kind):
+    """The scalars torch's fused Adam(W) reads from tensors: a step count per tensor (each its
+    own), GradScaler's scale and found_inf, with the learning rate a float or a tensor. The
+    kernels of both backends apply them through the same code (optim_math.h's apply_scalars),
+    so this CPU case holds the CUDA kernel's arithmetic too; a float lr beside step tensors is
+    GradScaler's usual case (with lr taken as 0 there, the weights would never move)."""
+    cfg = ADAM_CONFIGS[0]
+    prob = _Problem(device, 6)
+    ref = [r.detach().clone() for r in prob.ref]
+    m, v = ([torch.zeros_like(p) for p in prob.params] for _ in range(2))
+    ref_m, ref_v = ([torch.zeros_like(p) for p in prob.params] for _ in range(2))
+    first = [random.randint(0, 9) for _ in prob.params]  # each tensor's count so far
+    steps = [torch.tensor(float(n), device=device) for n in first]
+    ref_steps = [s.clone() for s in steps]
+    scale = torch.tensor(4.0, device=device)
+    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    step_fn = ops.adamw_step_ if decoupled else ops.adam_step_
+    dtype = torch.float64 if lr_kind == "float64-tensor" else torch.float32
+    lr = cfg["lr"] if lr_kind == "float" else torch.tensor(cfg["lr"], dtype=dtype, device=device)
+    for k in range(STEPS):
+        skip = k == 2  # GradScaler found an inf: neither steps, and the counts stay
+        found_inf = torch.tensor(float(skip), device=device)
+        grads = [torch.randn_like(p) * 4.0 for p in prob.params]
+        if not skip:  # torch's optimizer counts the step before the kernel; the scaler undoes it
+            torch._foreach_add_(steps, 1.0)
+            torch._foreach_add_(ref_steps, 1.0)
+        hyper = dict(beta1=cfg["betas"][0], beta2=cfg["betas"][1], eps=cfg["eps"])
+        hyper["weight_decay"] = cfg["weight_decay"]
+        # (`step` is ignored: the step tensors replace it)
+        step_fn(
+            prob.params,
+            grads,
+            m,
+            v,
+            lr=lr,
+            step=1,
+            state_steps=steps,
+            amp_scale=scale,
+            found_inf=found_inf,
+            **hyper,
+        )
+        fused(
+            ref,
+            [g.clone() for g in grads],
+            ref_m,
+            ref_v,
+            [],
+            ref_steps,
+            lr=lr,
+            **hyper,
+            amsgrad=False,
+            maximize=False,
+            grad_scale=scale,
+            found_inf=found_inf,
+        )
+        for ours, theirs in zip(prob.params + m + v, ref + ref_m + ref_v, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=RTOL, atol=ATOL)
+    moved = [not torch.equal(p, r.detach()) for p, r in zip(prob.params, prob.ref, strict=True)]
+    assert all(moved), "the weights did not move"

@@ -303,4 +303,17 @@ void check_sgd_args(at::TensorList params, at::TensorList grads, at::TensorList 
   }
 }
 
+ScalarPtrs scalar_ptrs(const DeviceScalars& s) {
+  ScalarPtrs out;
+  if (s.lr_tensor.has_value()) {
+    if (s.lr_tensor->scalar_type() == at::kDouble) {
+      out.lr_d = s.lr_tensor->const_data_ptr<double>();
+    } else {
+      out.lr_f = s.lr_tensor->const_data_ptr<float>();
+    }
+  }
+  if (s.amp_scale.has_value()) out.amp_scale = s.amp_scale->const_data_ptr<float>();
+  return out;
+}
+
 }  // namespace leanddp::ops

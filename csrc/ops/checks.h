@@ -6,6 +6,8 @@
 // inputs.
 #pragma once
 
+#include "optim_math.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <optional>
@@ -50,6 +52,9 @@ struct DeviceScalars {
   const std::optional<at::Tensor>& amp_scale;  // one float32 element
   const std::optional<at::Tensor>& found_inf;  // one float32 element
 };
+
+// The addresses of the lr tensor and amp scale of `s` (checked), for apply_scalars().
+ScalarPtrs scalar_ptrs(const DeviceScalars& s);
 
 // Every argument of adam_step_ / sgd_step_, lists and hyper-parameters (same order as the op).
 // The tensors of `scalars` must be on the params' device; their values are checked only when

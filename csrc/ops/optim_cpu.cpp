@@ -105,12 +105,6 @@ void for_each_block(at::TensorList params, at::TensorList grads, at::TensorList 
   });
 }
 
-// The value of a one-element float32/float64 CPU tensor (host memory: no synchronization).
-double host_value(const at::Tensor& t) {
-  return t.scalar_type() == at::kDouble ? *t.const_data_ptr<double>()
-                                        : static_cast<double>(*t.const_data_ptr<float>());
-}
-
 // Whether GradScaler's found_inf says this step must not happen (torch's fused kernels: return).
 bool skipped(const std::optional<at::Tensor>& found_inf) {
   return found_inf.has_value() && *found_inf->const_data_ptr<float>() != 0.0f;
@@ -127,14 +121,15 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   check_adam_args(params, grads, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps,
                   weight_decay, step, grad_scale, scalars);
   if (skipped(found_inf)) return;
-  if (lr_tensor.has_value()) lr = host_value(*lr_tensor);
+  // The scalar tensors are in host memory here: applied as the CUDA kernels apply them.
+  const ScalarPtrs ptrs = scalar_ptrs(scalars);
   auto consts = make_adam_consts(lr, beta1, beta2, eps, weight_decay, step, decoupled_weight_decay,
                                  maximize, grad_scale);
-  if (amp_scale.has_value()) consts.amp_scale = *amp_scale->const_data_ptr<float>();
   std::vector<AdamConsts> per_tensor(state_steps.size(), consts);
   for (size_t i = 0; i < state_steps.size(); ++i) {
-    set_step(per_tensor[i], host_value(state_steps[i]), lr);
+    apply_scalars(per_tensor[i], ptrs, state_steps[i].const_data_ptr<float>());
   }
+  apply_scalars(consts, ptrs, nullptr);
   const auto adam = cpu_loops().adam;
   for_each_block(params, grads, exp_avg, exp_avg_sq, param_copy,
                  [&](int32_t t, float* p, const float* g, float* m, float* v, int64_t n) {
@@ -152,10 +147,9 @@ void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList mo
   check_sgd_args(params, grads, momentum_buffer, param_copy, lr, momentum, dampening, nesterov,
                  weight_decay, grad_scale, scalars);
   if (skipped(found_inf)) return;
-  if (lr_tensor.has_value()) lr = host_value(*lr_tensor);
   auto consts = make_sgd_consts(lr, momentum, dampening, nesterov, weight_decay, maximize,
                                 first_step, grad_scale);
-  if (amp_scale.has_value()) consts.amp_scale = *amp_scale->const_data_ptr<float>();
+  apply_scalars(consts, scalar_ptrs(scalars));
   const auto sgd = cpu_loops().sgd;
   for_each_block(params, grads, momentum_buffer, {}, param_copy,
                  [&](int32_t, float* p, const float* g, float* buf, float*, int64_t n) {

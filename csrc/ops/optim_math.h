@@ -1,8 +1,9 @@
 // The per-element arithmetic of the fused optimizers, shared by the CPU and CUDA kernels.
 //
 // Hyper-parameters are reduced once per call, in double, to the float constants the update
-// needs (the learning rate and GradScaler's scale may instead be read from device tensors by the
-// kernel itself: set_lr() and the amp_scale field), rounded as torch's fused kernels round them.
+// needs (the learning rate, Adam's step counts and GradScaler's scale may instead be read from
+// tensors by the kernel itself: apply_scalars(), the same code on both backends), rounded as
+// torch's fused kernels round them.
 // The element updates apply the same operations in the same order as torch's fused CPU Adam(W)
 // (including the multiply-adds its build fuses, written here as explicit fmaf) and torch.optim.SGD,
 // so results agree with torch to float rounding, and float32, bfloat16 and float16 Adam(W) are
@@ -36,6 +37,7 @@ struct AdamConsts {
   float bc2_sqrt;       // sqrt(1 - beta2^step)
   float eps;
   // Kept to derive the lr-dependent constants from a learning rate read later (set_lr).
+  double lr;                // the call's learning rate (a float lr; an lr tensor replaces it)
   double bc1;               // 1 - beta1^step
   double beta1_d, beta2_d;  // beta1, beta2 (for set_step)
   double weight_decay;
@@ -44,16 +46,44 @@ struct AdamConsts {
 
 // The constants that depend on the learning rate, in double as torch computes them.
 C10_HOST_DEVICE inline void set_lr(AdamConsts& c, double lr) {
+  c.lr = lr;
   c.decay_mul = c.decoupled ? static_cast<float>(1.0 - lr * c.weight_decay) : 1.0f;
   c.neg_step_size = static_cast<float>(-(lr / c.bc1));
 }
 
-// The constants that depend on the step count (1-based) and the learning rate; the kernels that
-// read a device step count call this per tensor.
+// The constants that depend on the step count (1-based) and the learning rate.
 C10_HOST_DEVICE inline void set_step(AdamConsts& c, double step, double lr) {
   c.bc1 = 1.0 - pow(c.beta1_d, step);
   c.bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(c.beta2_d, step)));
   set_lr(c, lr);
+}
+
+// The optional scalars of one call, as tensors the kernel reads itself (null: absent): where
+// they live is the backend's business (host memory for the CPU kernels, device memory for the
+// CUDA ones); what they change is decided here, once, for both.
+struct ScalarPtrs {
+  const float* lr_f = nullptr;       // the learning rate, float32 ...
+  const double* lr_d = nullptr;      // ... or float64
+  const float* amp_scale = nullptr;  // GradScaler's scale
+};
+
+// The learning rate a call steps with: its lr tensor if it has one, else its float lr.
+C10_HOST_DEVICE inline double lr_of(const ScalarPtrs& s, double float_lr) {
+  return s.lr_f ? static_cast<double>(*s.lr_f) : s.lr_d ? *s.lr_d : float_lr;
+}
+
+// Applies a call's scalars to the constants of one tensor: its step count (`step`, Adam's per
+// tensor count of this update, or null: the call's `step` argument) and the call's lr tensor
+// and amp scale. `c` comes from make_adam_consts with the call's float lr, which stays in force
+// unless an lr tensor replaces it.
+C10_HOST_DEVICE inline void apply_scalars(AdamConsts& c, const ScalarPtrs& s, const float* step) {
+  const double lr = lr_of(s, c.lr);
+  if (step != nullptr) {
+    set_step(c, static_cast<double>(*step), lr);
+  } else if (s.lr_f || s.lr_d) {
+    set_lr(c, lr);
+  }
+  if (s.amp_scale) c.amp_scale = *s.amp_scale;
 }
 
 inline AdamConsts make_adam_consts(double lr, double beta1, double beta2, double eps,
@@ -109,6 +139,12 @@ struct SgdConsts {
 };
 
 C10_HOST_DEVICE inline void set_lr(SgdConsts& c, double lr) { c.neg_lr = static_cast<float>(-lr); }
+
+// SGD's counterpart of apply_scalars (SGD has no step count).
+C10_HOST_DEVICE inline void apply_scalars(SgdConsts& c, const ScalarPtrs& s) {
+  if (s.lr_f || s.lr_d) set_lr(c, lr_of(s, 0.0));
+  if (s.amp_scale) c.amp_scale = *s.amp_scale;
+}
 
 inline SgdConsts make_sgd_consts(double lr, double momentum, double dampening, bool nesterov,
                                  double weight_decay, bool maximize, bool first_step,

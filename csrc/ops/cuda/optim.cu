@@ -30,11 +30,10 @@ struct OptimTensor {
   int64_t numel;
 };
 
-// The device scalars of one call; null pointers: absent.
+// The device scalars of one call (null pointers: absent): those the rules apply
+// (optim_math.h's apply_scalars, shared with the CPU kernels) and GradScaler's found_inf.
 struct Scalars {
-  const float* lr_f;
-  const double* lr_d;
-  const float* amp_scale;
+  ScalarPtrs apply;
   const float* found_inf;
 };
 
@@ -45,13 +44,7 @@ struct AdamRule {
     adam_update(p, g, s0, s1, c);
   }
   __device__ __forceinline__ void prepare(const Scalars& s, const OptimTensor& t) {
-    const double lr = s.lr_f ? *s.lr_f : s.lr_d ? *s.lr_d : 0.0;
-    if (t.step) {
-      set_step(c, static_cast<double>(*t.step), lr);
-    } else if (s.lr_f || s.lr_d) {
-      set_lr(c, lr);
-    }
-    if (s.amp_scale) c.amp_scale = *s.amp_scale;
+    apply_scalars(c, s.apply, t.step);
   }
 };
 
@@ -63,9 +56,7 @@ struct SgdRule {
     sgd_update<kMomentum>(p, g, &s0, c);
   }
   __device__ __forceinline__ void prepare(const Scalars& s, const OptimTensor&) {
-    if (s.lr_f) set_lr(c, *s.lr_f);
-    if (s.lr_d) set_lr(c, *s.lr_d);
-    if (s.amp_scale) c.amp_scale = *s.amp_scale;
+    apply_scalars(c, s.apply);
   }
 };
 
@@ -126,15 +117,8 @@ __global__ void __launch_bounds__(kThreads)
 // The device addresses of the optional scalar tensors.
 Scalars scalars_of(const DeviceScalars& s) {
   Scalars out{};
-  if (s.lr_tensor.has_value()) {
-    if (s.lr_tensor->scalar_type() == at::kDouble) {
-      out.lr_d = s.lr_tensor->const_data_ptr<double>();
-    } else {
-      out.lr_f = s.lr_tensor->const_data_ptr<float>();
-    }
-  }
-  if (s.amp_scale.has_value()) out.amp_scale = s.amp_scale->const_data_ptr<float>();
-  if (s.found_inf.has_value()) out.found_inf = s.found_inf->const_data_ptr<float>();
+  out.apply = scalar_ptrs(s);
+  out.found_inf = s.found_inf.has_value() ? s.found_inf->const_data_ptr<float>() : nullptr;
   return out;
 }
 
@@ -226,6 +210,9 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   const DeviceScalars scalars{lr_tensor, state_steps, amp_scale, found_inf};
   check_adam_args(params, grads, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps,
                   weight_decay, step, grad_scale, scalars);
+  // (the device first: the capture check asks about the current stream of the params' device)
+  const c10::cuda::OptionalCUDAGuard guard(params.empty() ? std::nullopt
+                                                          : std::optional(params[0].device()));
   refuse_graph_capture("leanddp::adam_step_", meta_bound(params));
   const AdamRule rule{make_adam_consts(lr, beta1, beta2, eps, weight_decay, step,
                                        decoupled_weight_decay, maximize, grad_scale)};
@@ -241,6 +228,9 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
   const DeviceScalars scalars{lr_tensor, {}, amp_scale, found_inf};
   check_sgd_args(params, grads, momentum_buffer, param_copy, lr, momentum, dampening, nesterov,
                  weight_decay, grad_scale, scalars);
+  // (the device first: the capture check asks about the current stream of the params' device)
+  const c10::cuda::OptionalCUDAGuard guard(params.empty() ? std::nullopt
+                                                          : std::optional(params[0].device()));
   refuse_graph_capture("leanddp::sgd_step_", meta_bound(params));
   const auto consts = make_sgd_consts(lr, momentum, dampening, nesterov, weight_decay, maximize,
                                       first_step, grad_scale);
