@@ -144,7 +144,7 @@ void bind_step_window(py::module_& m) {
   using leanddp::StepWindow;
   py::class_<StepWindow>(m, "_StepWindow")
       .def(py::init<size_t, bool>(), py::arg("capacity"), py::arg("device_ordered"))
-      .def("reset", &StepWindow::reset)
+      .def("reset", &StepWindow::reset, py::arg("carried") = 0)
       .def(
           "next",
           [](const StepWindow& self, const std::string& phase,
@@ -158,7 +158,10 @@ void bind_step_window(py::module_& m) {
             const auto decision = self.next(it->second, ready);
             if (!decision) return py::none();
             static const char* names[] = {"step", "step_waiting", "finish"};
-            return py::make_tuple(names[static_cast<int>(decision->action)], decision->bucket);
+            // (a carried step's bucket belongs to an earlier backward: None)
+            const py::object bucket =
+                decision->bucket == StepWindow::kCarried ? py::none() : py::cast(decision->bucket);
+            return py::make_tuple(names[static_cast<int>(decision->action)], bucket);
           },
           py::arg("phase"), py::arg("ready"))
       .def("launched_one", &StepWindow::launched_one)
@@ -167,6 +170,7 @@ void bind_step_window(py::module_& m) {
       .def_property_readonly("launched", &StepWindow::launched)
       .def_property_readonly("stepped", &StepWindow::stepped)
       .def_property_readonly("finished", &StepWindow::finished)
+      .def_property_readonly("carried", &StepWindow::carried)
       .def_property_readonly("in_flight", &StepWindow::in_flight);
   m.attr("BUCKETS_IN_FLIGHT") = leanddp::kBucketsInFlight;
 }
@@ -436,6 +440,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("bucket_numel"), py::arg("align"),
       "Test hook: reduce_to_shard (csrc/shard.h) of the padded bucket `flat` over the group, "
       "waited for.");
+  m.def("_set_host_ordering", &leanddp::set_host_ordering, py::arg("on"),
+        "Test seam (csrc/streams.h): CPU tensors are ordered as if on a device that runs apart, "
+        "so wrappers built afterwards take their device-ordered branches on the CPU.");
+  m.def(
+      "_host_ordering_counts",
+      [] {
+        const auto c = leanddp::host_ordering_counts();
+        py::dict d;
+        d["streams"] = c.streams;
+        d["records"] = c.records;
+        d["blocks"] = c.blocks;
+        d["synchronizes"] = c.synchronizes;
+        d["records_on_stream"] = c.records_on_stream;
+        return d;
+      },
+      "What host ordering was asked to do in this process so far (csrc/streams.h).");
+  m.def(
+      "_reduces_scattered",
+      [](const py::object& process_group, const std::string& device) {
+        auto group = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+        return leanddp::reduces_scattered(group, c10::Device(device));
+      },
+      py::arg("process_group"), py::arg("device"),
+      "Test hook: whether shard_optimizer_state reduce-scatters buckets on `device` over the "
+      "group (csrc/shard.h), else allreduces them.");
   m.def(
       "_pack_and_gather_shards",
       [](const py::object& process_group, at::Tensor flat, const std::vector<int64_t>& offsets,

@@ -3,7 +3,6 @@
 #include "op_calls.h"
 
 #include <ATen/Parallel.h>
-#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
@@ -41,7 +40,8 @@ HostOffload::HostOffload(std::vector<at::Tensor> params, std::unique_ptr<FusedOp
     TORCH_INTERNAL_ASSERT(*d2h_stream_ != *h2d_stream_, "offload_to_cpu: one stream for both ways");
     events_ = std::make_unique<EventPool>(device.type());
   }
-  staging_options_ = at::TensorOptions().device(at::kCPU).pinned_memory(on_gpu_);
+  // Pinned where the copies cross PCIe (not under host ordering, on a CPU).
+  staging_options_ = at::TensorOptions().device(at::kCPU).pinned_memory(device.is_cuda());
   const size_t n = params_.size();
   masters_.resize(n);
   versions_.assign(n, 0);
@@ -129,7 +129,7 @@ void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<c
   job.mask = mask;
   job.refresh.assign(bucket.params.size(), 0);
   job.grads = grads;
-  std::optional<c10::StreamGuard> guard;
+  std::optional<StreamScope> guard;
   if (on_gpu_) guard.emplace(*d2h_stream_);
   // Sharded: the shard, reduced there (the rest of the padded bucket is not).
   grads.copy_(
@@ -308,10 +308,12 @@ void HostOffload::step_job(const Job& job, std::optional<double> grad_scale) {
 void HostOffload::copy_back(const Job& job, const at::Tensor& weights) {
   const Bucket& layout = job.layout;
   at::Tensor source = weights;
-  std::optional<c10::StreamGuard> guard;
+  std::optional<StreamScope> guard;
   if (on_gpu_) {  // one flat copy over PCIe, then one launch scatters it into the parameters
     guard.emplace(*h2d_stream_);
-    source = at::empty({extent(job.index)}, params_[0].options().requires_grad(false));
+    // The bucket's own dtype: a model's buckets differ (bf16 weights, float32 norms).
+    const at::Tensor& member = params_[static_cast<size_t>(layout.params.front())];
+    source = at::empty({extent(job.index)}, member.options().requires_grad(false));
     source.copy_(weights, /*non_blocking=*/true);
   }
   // What this rank stepped of each member: the parameter, or sharded its piece (their regions

@@ -57,6 +57,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -235,7 +236,9 @@ class HostOffload {
   // refresh the master).
   std::vector<at::Tensor> masters_;
   std::vector<uint32_t> versions_;
-  int64_t generation_ = 0;  // changes when a master appears or is loaded
+  // Changes when a master appears or is loaded: on the worker (ensure_master in a step) and on
+  // the caller's thread (loads, reads), hence atomic.
+  std::atomic<int64_t> generation_{0};
 
   // The worker's queue and results, guarded by sync_->mu.
   std::shared_ptr<Sync> sync_ = std::make_shared<Sync>();

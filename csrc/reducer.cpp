@@ -141,7 +141,8 @@ void Reducer::reset_iteration_state() {
   unused_marked_ = false;
   recording_order_ = false;
   next_bucket_ = 0;
-  window_.reset();
+  // Device steps still queued count against the next backward's window (their bytes too).
+  window_.reset(finish_events_.size());
   ready_.assign(n, 0);
   sources_.assign(n, at::Tensor());
   unused_.clear();
@@ -149,8 +150,6 @@ void Reducer::reset_iteration_state() {
   futures_.assign(buckets_.size(), {});
   launched_events_.clear();
   launched_events_.resize(buckets_.size());
-  finish_events_.clear();  // the caller's stream was ordered after them, or will be at a forward
-  unfinished_bytes_ = 0;
   collected_.assign(buckets_.size(), 0);
   nan_bucket_ = -1;
   nan_params_.clear();
@@ -309,7 +308,7 @@ void Reducer::mark_ready(size_t index) {
     // go to local_used_, not to memory the copy may still read.
     const at::Device device = params_[0].device();
     at::Tensor staged = at::empty({static_cast<int64_t>(local_used_.size())},
-                                  at::TensorOptions(at::kInt).pinned_memory(runs_apart(device)));
+                                  at::TensorOptions(at::kInt).pinned_memory(device.is_cuda()));
     std::copy(local_used_.begin(), local_used_.end(), staged.data_ptr<int32_t>());
     local_used_reduced_ = staged.to(device, /*non_blocking=*/true, /*copy=*/true);
     std::vector<at::Tensor> tensors{local_used_reduced_};

@@ -2,8 +2,6 @@
 // buckets, and the methods that reach the optimizer's state. See reducer.h.
 #include "reducer.h"
 
-#include <c10/core/StreamGuard.h>
-
 namespace leanddp {
 
 void Reducer::advance_steps(StepWindow::Phase phase, const std::vector<int32_t>* used) {
@@ -39,7 +37,7 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
   // reduction; the host waits for neither (NCCL's wait and a CUDA future's wait make the
   // current stream wait).
   std::optional<c10::Stream> side;
-  std::optional<c10::StreamGuard> on_side;
+  std::optional<StreamScope> on_side;
   if (window_.device_ordered()) {
     side = side_stream();
     if (launched_events_[index]) {

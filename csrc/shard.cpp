@@ -54,10 +54,25 @@ ShardLayout shard_layout(const std::vector<int64_t>& offsets, const std::vector<
   return layout;
 }
 
+bool reduces_scattered(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                       const c10::Device& device) {
+  // The backend that serves `device`: a default group "cpu:gloo,cuda:nccl" is named
+  // "undefined" as a whole but reduces CUDA tensors with NCCL.
+  std::string name = group->getBackendName();
+  if (group->hasBackends()) {
+    try {
+      name = group->getBackend(device.type())->getBackendName();
+    } catch (const c10::Error&) {
+      // no backend registered for this device type: the group's name stands
+    }
+  }
+  return name == "nccl";
+}
+
 c10::intrusive_ptr<c10d::Work> reduce_to_shard(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                                at::Tensor flat, const ShardLayout& layout) {
   check_padded("reduce_to_shard", flat, layout, group->getSize());
-  if (group->getBackendName() == "nccl") {
+  if (reduces_scattered(group, flat.device())) {
     at::Tensor shard = flat.narrow(0, layout.begin, layout.shard_numel);
     // (deprecated for reduce_scatter_single in recent torch; the old name is in every version)
 #pragma GCC diagnostic push

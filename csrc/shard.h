@@ -50,6 +50,11 @@ ShardLayout shard_layout(const std::vector<int64_t>& offsets, const std::vector<
 c10::intrusive_ptr<c10d::Work> reduce_to_shard(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                                at::Tensor flat, const ShardLayout& layout);
 
+// Whether reduce_to_shard reduce-scatters tensors on `device` over `group`: whether the backend
+// that serves that device type is NCCL (a group of "cpu:gloo,cuda:nccl" too).
+bool reduces_scattered(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                       const c10::Device& device);
+
 // Writes this rank's pieces of the stepped weights into its shard of `flat` (the padded bucket):
 // the piece of slot s comes from `sources[s]`, the slot's parameter (or its float32 master, when
 // `flat` is float32) seen as 1-D in the slot's memory order, of `flat`'s dtype. The padding and

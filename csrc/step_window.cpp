@@ -9,7 +9,12 @@ StepWindow::StepWindow(size_t capacity, bool device_ordered)
   TORCH_CHECK(capacity_ >= 1, "StepWindow: the window must hold at least one bucket");
 }
 
-void StepWindow::reset() { launched_ = stepped_ = finished_ = 0; }
+void StepWindow::reset(size_t carried) {
+  TORCH_CHECK(carried == 0 || device_ordered_,
+              "StepWindow: only device steps can be unfinished when a backward ends");
+  launched_ = stepped_ = finished_ = 0;
+  carried_ = carried;
+}
 
 std::optional<StepWindow::Decision> StepWindow::next(
     Phase phase, const std::function<bool(size_t)>& ready) const {
@@ -20,6 +25,7 @@ std::optional<StepWindow::Decision> StepWindow::next(
       return std::nullopt;
     case Phase::kBeforeLaunch:
       if (in_flight() < capacity_) return std::nullopt;
+      if (carried_ > 0) return Decision{Action::kFinish, kCarried};
       // The oldest bucket in flight is finished_: step it first if it is not stepped yet.
       if (finished_ == stepped_) return Decision{Action::kStepWaiting, stepped_};
       return Decision{Action::kFinish, finished_};
@@ -39,6 +45,10 @@ void StepWindow::stepped_one() {
 }
 
 void StepWindow::finished_one() {
+  if (carried_ > 0) {
+    --carried_;
+    return;
+  }
   TORCH_CHECK(finished_ < stepped_, "StepWindow: the finish of a bucket not stepped");
   ++finished_;
 }

@@ -12,7 +12,10 @@
 //     known to be finished only once the host waited for its event, which it does only when the
 //     window is full.
 // At most `capacity` buckets are in flight: before another launch the oldest is stepped and
-// finished first, waiting for it if need be. So the memory of released buckets stays bounded
+// finished first, waiting for it if need be. Device steps still unfinished when a backward ends
+// stay in flight into the next one (reset(carried)): a host that reaches the next backward
+// before the device finished the last one's steps finishes those first, so the bound holds
+// across iterations, not only within one. So the memory of released buckets stays bounded
 // even when a backend reports completion late or the device runs far behind the host; when the
 // device keeps up, nothing ever waits.
 //
@@ -34,8 +37,10 @@ class StepWindow {
   enum class Action {
     kStep,         // step it now: its reduction is ready, nothing blocks
     kStepWaiting,  // step it now, waiting for its reduction if it is not ready
-    kFinish,       // wait until its (device) step has finished
+    kFinish,       // wait until its (device) step has finished (the oldest unfinished step:
+                   // a carried one, whose `bucket` is then kCarried)
   };
+  static constexpr size_t kCarried = static_cast<size_t>(-1);
   struct Decision {
     Action action;
     size_t bucket;
@@ -47,13 +52,14 @@ class StepWindow {
 
   StepWindow(size_t capacity, bool device_ordered);
 
-  // A new synchronized backward: nothing launched.
-  void reset();
+  // A new synchronized backward: nothing launched; `carried` device steps of earlier backwards
+  // are still unfinished (the oldest first), and count as in flight until finished_one().
+  void reset(size_t carried = 0);
   // The next action, or none when nothing is to be done in `phase`. `ready(b)` tells whether
   // bucket b's reduction is ready (asked only for the oldest launched bucket not yet stepped).
   std::optional<Decision> next(Phase phase, const std::function<bool(size_t)>& ready) const;
   // Records what was done: a launch (of bucket launched()), a step (of bucket stepped()), the
-  // finish of a device step (of bucket finished()).
+  // finish of a device step (a carried one first, else of bucket finished()).
   void launched_one();
   void stepped_one();
   void finished_one();
@@ -63,7 +69,8 @@ class StepWindow {
   size_t launched() const { return launched_; }
   size_t stepped() const { return stepped_; }
   size_t finished() const { return finished_; }
-  size_t in_flight() const { return launched_ - finished_; }
+  size_t carried() const { return carried_; }
+  size_t in_flight() const { return carried_ + launched_ - finished_; }
 
  private:
   size_t capacity_;
@@ -71,6 +78,7 @@ class StepWindow {
   size_t launched_ = 0;
   size_t stepped_ = 0;   // stepped (host) or enqueued (device): always <= launched_
   size_t finished_ = 0;  // always <= stepped_; equal to it with host progress
+  size_t carried_ = 0;   // device steps of earlier backwards not yet finished (device order)
 };
 
 }  // namespace leanddp

@@ -1,25 +1,50 @@
 // Device-generic streams and events: how leanddp orders work on a GPU instead of polling it.
 //
 // Everything here goes through c10's virtual device guard, so it compiles in CPU-only builds and
-// works for any device type with streams (CUDA). None of it is called for CPU tensors: on the
-// CPU, work runs on the host in program order.
+// works for any device type with streams (CUDA). None of it is called for CPU tensors in a real
+// run: on the CPU, work runs on the host in program order.
+//
+// The one exception is a test seam, host ordering (set_host_ordering): CPU tensors are then
+// treated as if they lived on a device that runs apart, so that the Reducer and HostOffload take
+// their device-ordered branches (side streams, events, the window's finish path, staging copies)
+// on the CPU, under gloo, against torch's DDP. Its operations are synchronous: a CPU "stream" is
+// the host itself, where everything queued so far has already run, so recording, blocking and
+// synchronizing complete at once (and are counted, so tests can tell the branches ran). Only
+// tests turn it on.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
+#include <c10/core/StreamGuard.h>
 
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 namespace leanddp {
 
-// Whether work on `device` is queued on streams that run apart from the host (a GPU): progress
-// there is ordered on streams and events, never by asking the host whether work is done.
+// Whether work on `device` is queued on streams that run apart from the host (a GPU, or the CPU
+// under host ordering): progress there is ordered on streams and events, never by asking the
+// host whether work is done.
 bool runs_apart(const c10::Device& device);
+
+// The host-ordering test seam (see the top of this file). Read where objects decide how they
+// order work (at construction): turn it on before building the wrapper.
+void set_host_ordering(bool on);
+bool host_ordering();
+// What host ordering was asked to do in this process so far (counts only grow).
+struct HostOrderingCounts {
+  int64_t streams = 0;            // side streams handed out (pool_stream)
+  int64_t records = 0;            // events recorded
+  int64_t blocks = 0;             // stream waits on an event
+  int64_t synchronizes = 0;       // host waits on an event
+  int64_t records_on_stream = 0;  // tensors recorded as used by a stream (record_on_stream)
+};
+HostOrderingCounts host_ordering_counts();
 
 // The calling thread's current stream on `device`.
 c10::Stream current_stream(const c10::Device& device);
@@ -28,11 +53,40 @@ c10::Stream current_stream(const c10::Device& device);
 c10::Stream default_stream(const c10::Device& device);
 
 // A stream of `device`'s global pool (c10 hands them out round-robin; they live for the process).
+// Under host ordering, a new CPU stream id each call (so two streams compare unequal).
 c10::Stream pool_stream(const c10::Device& device);
 
 // Records that `tensor`'s memory is used by the work queued so far on `stream`: the caching
 // allocator hands it out again only after that work, even if the tensor is dropped now.
 void record_on_stream(const at::Tensor& tensor, const c10::Stream& stream);
+
+// Makes `stream` the current stream of its device for the scope (c10::StreamGuard), except under
+// host ordering, where the host is every CPU stream.
+class StreamScope {
+ public:
+  explicit StreamScope(const c10::Stream& stream) {
+    if (stream.device_type() != c10::DeviceType::CPU) guard_.emplace(stream);
+  }
+
+ private:
+  std::optional<c10::StreamGuard> guard_;
+};
+
+// One event of an EventPool: a c10::Event on a device; under host ordering, a marker whose work
+// is done when it is recorded. The same calls either way.
+class PooledEvent {
+ public:
+  explicit PooledEvent(c10::DeviceType type);
+  // Marks the point reached by the work queued so far on `stream`.
+  void record(const c10::Stream& stream);
+  // `stream` waits, on the device, for the recorded point (the host does not wait).
+  void block(const c10::Stream& stream) const;
+  // The host waits for the recorded point.
+  void synchronize() const;
+
+ private:
+  std::optional<c10::Event> event_;  // absent under host ordering
+};
 
 // A pool of reusable events of one device type. Creating a CUDA event costs a driver call, so
 // events are created on first need and returned to the pool when their handle is dropped (from
@@ -46,9 +100,9 @@ class EventPool {
   // Returns the event to the pool when destroyed. The pool's storage outlives every handle.
   struct Returner {
     std::shared_ptr<struct EventPoolState> state;
-    void operator()(c10::Event* event) const;
+    void operator()(PooledEvent* event) const;
   };
-  using Handle = std::unique_ptr<c10::Event, Returner>;
+  using Handle = std::unique_ptr<PooledEvent, Returner>;
 
   // An event, recorded on `stream` now.
   Handle record(const c10::Stream& stream);

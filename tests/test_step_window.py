@@ -66,6 +66,32 @@ def test_full_window_with_unstepped_oldest_steps_it_before_finishing() -> None:
     assert w.next("before_launch", _never) is None
 
 
+def test_unfinished_device_steps_carry_into_the_next_backward() -> None:
+    """A host that reaches the next backward before the device finished the last one's steps
+    finishes those first: the window bounds buckets in flight across iterations too."""
+    w = _C._StepWindow(2, True)
+    for b in range(2):
+        w.launched_one()
+        assert w.next("after_hook", _always) == ("step", b)
+        w.stepped_one()
+    assert w.next("end", _always) is None  # both queued on the side stream, none waited for
+    w.reset(carried=w.stepped - w.finished)
+    assert (w.carried, w.in_flight) == (2, 2)
+    assert w.next("before_launch", _always) == ("finish", None)  # last backward's oldest step
+    w.finished_one()
+    assert (w.carried, w.in_flight) == (1, 1)
+    assert w.next("before_launch", _always) is None  # room for one
+    w.launched_one()
+    assert w.next("before_launch", _always) == ("finish", None)
+    w.finished_one()
+    assert (w.carried, w.in_flight) == (0, 1)
+    assert w.next("before_launch", _always) is None
+    assert w.next("after_hook", _always) == ("step", 0)
+    host = _C._StepWindow(2, False)
+    with pytest.raises(RuntimeError, match="only device steps"):
+        host.reset(carried=1)
+
+
 def test_bad_use_raises() -> None:
     with pytest.raises(RuntimeError, match="at least one bucket"):
         _C._StepWindow(0, False)
@@ -96,6 +122,7 @@ def test_random_backwards_keep_the_rules(
     launched_at: list[int] = []
     steps: list[int] = []
     finishes: list[int] = []
+    carried = 0  # device steps of the previous backward not finished when it ended
 
     def ready(b: int) -> bool:
         return clock - launched_at[b] >= delays[b]
@@ -105,8 +132,12 @@ def test_random_backwards_keep_the_rules(
             action, b = decision
             if action == "finish":
                 assert device, "host progress never waits for a finish"
-                assert phase == "before_launch" and b == len(finishes) and b < len(steps)
-                finishes.append(b)
+                assert phase == "before_launch"
+                if b is None:  # the previous backward's, oldest first
+                    assert w.carried > 0
+                else:
+                    assert w.carried == 0 and b == len(finishes) and b < len(steps)
+                    finishes.append(b)
                 w.finished_one()
                 continue
             assert b == len(steps) < len(launched_at), "steps follow launch order"
@@ -117,18 +148,23 @@ def test_random_backwards_keep_the_rules(
             steps.append(b)
             w.stepped_one()
 
-    for b in range(buckets):
-        for _ in range(hooks[b]):  # the hooks that fill bucket b
-            clock += 1
+    for _ in range(2):  # the second starts with the first's unfinished steps
+        w.reset(carried=carried)
+        clock, launched_at, steps, finishes = 0, [], [], []
+        for b in range(buckets):
+            for _ in range(hooks[b]):  # the hooks that fill bucket b
+                clock += 1
+                run("after_hook")
+            run("before_launch")
+            assert w.in_flight < capacity, "the launch keeps the window, across backwards too"
+            w.launched_one()
+            launched_at.append(clock)
+            assert w.in_flight <= capacity
             run("after_hook")
-        run("before_launch")
-        assert w.in_flight < capacity, "the launch keeps the window"
-        w.launched_one()
-        launched_at.append(clock)
-        assert w.in_flight <= capacity
-        run("after_hook")
-    run("end")
-    assert steps == list(range(buckets)), "every bucket stepped once, in order"
-    assert w.launched == w.stepped == buckets
-    assert finishes == list(range(len(finishes)))
-    assert w.finished == (len(finishes) if device else buckets)
+        run("end")
+        assert steps == list(range(buckets)), "every bucket stepped once, in order"
+        assert w.launched == w.stepped == buckets
+        assert finishes == list(range(len(finishes)))
+        assert w.finished == (len(finishes) if device else buckets)
+        carried = w.in_flight  # queued on the device still: the next backward's to finish
+        assert carried <= capacity and (device or carried == 0)

@@ -154,15 +154,23 @@ def fused_kind(optimizer: torch.optim.Optimizer | type) -> str:
 def _lr(lr: Any, device: torch.device | None) -> float | Tensor:
     """The learning rate for the kernels: a one-element tensor on ``device`` (the kernels read
     it when they run, so the host never waits for it); anything else as a float (a CPU tensor
-    read in host memory)."""
+    read in host memory). ``device`` None: the host steps (offload_to_cpu), which read a tensor
+    lr in host memory only; reading one from a GPU would synchronize at every forward."""
     if isinstance(lr, Tensor):
         if lr.numel() != 1 or lr.dtype not in (torch.float32, torch.float64):
             _fail(f"a tensor lr must have one float32/float64 element, got {lr.dtype} {lr.shape}")
         if device is not None and lr.device == device:
             return lr.reshape(())
         if lr.device.type != "cpu":
-            where = f"the parameters' device ({device}) or the CPU"
-            _fail(f"a tensor lr must be on {where}, got {lr.device}")
+            if device is None:
+                _fail(
+                    "with offload_to_cpu the host steps read the learning rate in host memory: "
+                    f"a tensor lr must be on the CPU, got {lr.device}"
+                )
+            _fail(
+                f"a tensor lr must be on the parameters' device ({device}) or the CPU, got "
+                f"{lr.device}"
+            )
     return float(lr)
 
 

@@ -205,10 +205,11 @@ void flat_copy_cuda(const char* op, at::TensorList tensors, const at::Tensor& fl
   const int64_t chunk_elems = kChunkBytes / flat.element_size();
   size_t non_contiguous = 0;
   for (const auto& t : tensors) non_contiguous += t.is_contiguous() ? 0 : 1;
+  // (first: the capture check asks about the current stream of flat's device, not another's)
+  const c10::cuda::CUDAGuard guard(flat.device());
   refuse_graph_capture(op, meta_bytes<TensorDesc>(tensors.size()) +
                                meta_bytes<StridedDesc>(non_contiguous) +
                                meta_bytes<Chunk>(chunk_bound(tensors, chunk_elems)));
-  const c10::cuda::CUDAGuard guard(flat.device());
   std::vector<TensorDesc> descs(tensors.size());
   std::vector<StridedDesc> strided;
   std::vector<int64_t> numels(tensors.size(), 0);

@@ -1,0 +1,214 @@
+"""The device-ordered paths run on the CPU: under host ordering (csrc/streams.h, a test seam) CPU
+tensors are ordered as if they lived on a GPU, so the Reducer and HostOffload take the branches
+that otherwise only a GPU executes (the side stream, the events a bucket's step waits for and
+records, the window's finish path and its bytes carried across iterations, the release of a
+bucket recorded on the side stream, offload's per-bucket copy events and device staging buffer,
+the sharded gather ordered on the side stream, a comm hook's result followed on the stream).
+Their operations complete at once on the host, and are counted: each case asserts the branches
+ran, and trains against torch's DDP + the same torch optimizer in the same processes.
+
+What a seam cannot show (real concurrency between the host and a device, NCCL's own ordering,
+pinned memory, CUDA timing) is tests/test_cuda_ddp.py's, on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+
+import torch
+import torch.distributed as dist
+from ddp_models import Case, LockStep, Net, accumulate, assert_same
+from dist_harness import run_ranks
+from in_backward_models import OPTIMIZERS, InBackwardLockStep, train_lock_step
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import leanddp
+from leanddp._extension import _C
+
+STEPS = 3
+TINY = 0.0005  # MiB: a bucket per parameter or two, so the window fills and finishes buckets
+
+
+def _host_ordered(build):
+    """``build()`` with host ordering on (read at construction), then off again."""
+    _C._set_host_ordering(True)
+    try:
+        return build()
+    finally:
+        _C._set_host_ordering(False)
+
+
+def _counts_moved(before: dict, what: str, *keys: str) -> None:
+    after = _C._host_ordering_counts()
+    for key in keys:
+        assert after[key] > before[key], f"{what}: no {key} under host ordering ({after})"
+
+
+def _in_backward(rank: int, world_size: int) -> None:
+    for name, accum, offload in itertools.product(
+        ("adamw", "sgd-nesterov", "adagrad"), (1, 3), (False, True)
+    ):
+        if offload and name == "adagrad":
+            continue  # offload_to_cpu steps the fused kinds only
+        what = f"host-ordered {name} accum={accum} offload={offload}"
+        before = _C._host_ordering_counts()
+        run = _host_ordered(
+            lambda name=name, offload=offload: InBackwardLockStep(
+                Net(rank=rank, f64=False), OPTIMIZERS[name], offload=offload, bucket_cap_mb=TINY
+            )
+        )
+        train_lock_step(run, what, accum, STEPS)
+        stats = run.ours.memory_stats()
+        assert 0 < stats["max_buckets_in_flight"] <= _C.BUCKETS_IN_FLIGHT, (what, stats)
+        # side streams, events recorded and waited for on a stream, the bucket's memory recorded
+        # on its stream; the host waited for a step's event (the full window's finish, or with
+        # offload the worker's wait for a bucket's copy to the host)
+        _counts_moved(before, what, "streams", "records", "blocks", "synchronizes")
+        if not offload:
+            _counts_moved(before, what, "records_on_stream")
+
+
+def test_in_backward_and_offload_take_the_device_branches() -> None:
+    """optimizer_in_backward (fused and fallback) and offload_to_cpu, tiny buckets and
+    accumulation: the side-stream steps, the window's finish path and offload's copy events."""
+    run_ranks(2, _in_backward)
+
+
+def _window_carried(rank: int, world_size: int) -> None:
+    """Steps still queued on the side stream when a backward ends count against the next
+    backward's window (a host that runs ahead must finish them before another launch)."""
+    run = _host_ordered(
+        lambda: InBackwardLockStep(
+            Net(rank=rank, f64=False), OPTIMIZERS["adamw"], bucket_cap_mb=TINY
+        )
+    )
+    for step in range(STEPS):
+        accumulate(run.ref, [torch.randn(6, 12)])
+        before = _C._host_ordering_counts()
+        accumulate(run.ours, [torch.randn(6, 12)])
+        stats = run.ours.memory_stats()
+        assert stats["max_buckets_in_flight"] <= _C.BUCKETS_IN_FLIGHT, stats
+        if step > 0:  # the carried steps were finished (host-waited) before the first launch
+            after = _C._host_ordering_counts()
+            assert after["synchronizes"] - before["synchronizes"] >= stats["num_buckets"], after
+        run.ref_opt.zero_grad()
+
+
+def test_window_bound_carries_across_iterations() -> None:
+    run_ranks(2, _window_carried)
+
+
+def _sharded(rank: int, world_size: int) -> None:
+    for name, accum, offload in itertools.product(("adamw", "sgd-nesterov"), (1, 2), (False, True)):
+        what = f"host-ordered sharded {name} accum={accum} offload={offload}"
+        before = _C._host_ordering_counts()
+        run = _host_ordered(
+            lambda name=name, offload=offload: InBackwardLockStep(
+                Net(rank=rank, f64=False),
+                OPTIMIZERS[name],
+                offload=offload,
+                bucket_cap_mb=TINY,
+                ours_kwargs=dict(shard_optimizer_state=True),
+            )
+        )
+        train_lock_step(run, what, accum, STEPS)
+        _counts_moved(before, what, "records", "blocks")
+
+
+def test_sharded_gathers_on_the_side_stream() -> None:
+    """shard_optimizer_state, on the device and with offload_to_cpu: a bucket's gather is
+    enqueued on the side stream right after its step (no host wait for it)."""
+    run_ranks(2, _sharded)
+
+
+def _comm_hooks(rank: int, world_size: int) -> None:
+    for hook, offload in itertools.product(
+        (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook), (False, True)
+    ):
+        what = f"host-ordered {hook.__name__} offload={offload}"
+        before = _C._host_ordering_counts()
+        run = _host_ordered(
+            lambda offload=offload: InBackwardLockStep(
+                Net(rank=rank, f64=False), OPTIMIZERS["adamw"], offload=offload,
+                bucket_cap_mb=TINY,
+            )
+        )  # fmt: skip
+        for ddp in (run.ref, run.ours):
+            ddp.register_comm_hook(ddp.process_group, hook)
+        train_lock_step(run, what, 2, STEPS)
+        _counts_moved(before, what, "records", "blocks")
+    # gradient views without in-backward steps: a hook's result followed on the stream
+    for accum in (1, 3):
+        case = Case(accum=accum, tiny_buckets=True, optimizer="adamw")
+        run = _host_ordered(lambda case=case: LockStep(Net(rank=rank, f64=False), case))
+        for ddp in (run.ref, run.ours):
+            ddp.register_comm_hook(ddp.process_group, default_hooks.fp16_compress_hook)
+        for step in range(STEPS):
+            run.backward([torch.randn(6, 12) for _ in range(accum)])
+            for name, a, b in run.pairs():
+                assert_same(a.grad, b.grad, f"{case} step {step} {name}.grad", exact=False)
+            run.step()
+
+
+def test_comm_hooks_with_device_ordering() -> None:
+    """torch's allreduce and fp16 compression hooks, in-backward (with and without offload)
+    and with plain gradient views, their results followed on the side or current stream."""
+    run_ranks(2, _comm_hooks)
+
+
+class _Mixed(nn.Module):
+    """bfloat16 Linear layers and float32 LayerNorms: two dtypes, so buckets of each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(12, 24).to(torch.bfloat16)
+        self.norm = nn.LayerNorm(24)
+        self.b = nn.Linear(24, 12).to(torch.bfloat16)
+        self.out_norm = nn.LayerNorm(12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.a(x.to(torch.bfloat16)).float())
+        return self.out_norm(self.b(torch.tanh(h).to(torch.bfloat16)).float())
+
+
+def _mixed_offload(rank: int, world_size: int) -> None:
+    """offload_to_cpu with bfloat16 and float32 buckets through the device staging path (each
+    bucket's weights come back through a device buffer of its own dtype), bitwise equal to the
+    host path, which tests/test_offload.py holds to torch and to float64; float32 state and
+    masters for both."""
+    torch.manual_seed(0)
+    model = _Mixed()
+    factory = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+
+    def wrap() -> leanddp.DistributedDataParallel:
+        return leanddp.DistributedDataParallel(
+            copy.deepcopy(model), process_group=dist.new_group(), optimizer_in_backward=factory,
+            offload_to_cpu=True, bucket_cap_mb=TINY,
+        )  # fmt: skip
+
+    before = _C._host_ordering_counts()
+    ordered, plain = _host_ordered(wrap), wrap()
+    dtypes = {p.dtype for p in ordered.module.parameters()}
+    assert dtypes == {torch.bfloat16, torch.float32}, dtypes
+    for step in range(4):
+        batches = [torch.randn(6, 12) for _ in range(2)]
+        for ddp in (ordered, plain):
+            accumulate(ddp, batches)
+            ddp.synchronize()  # the host steps and the copies back are done
+        for (name, a), b in zip(
+            ordered.module.named_parameters(), plain.module.parameters(), strict=True
+        ):
+            assert torch.equal(a, b), f"step {step} {name}"
+    initial = dict(model.named_parameters())
+    for name, p in ordered.module.named_parameters():
+        assert not torch.equal(p, initial[name]), f"{name} never moved"
+        if p.dtype == torch.bfloat16:
+            assert ordered.optimizer.state[p]["master_weight"].dtype == torch.float32, name
+    _counts_moved(before, "mixed-dtype offload", "records", "synchronizes", "blocks")
+
+
+def test_offload_with_mixed_dtypes_through_the_device_staging_path() -> None:
+    run_ranks(2, _mixed_offload)
