@@ -186,6 +186,7 @@ void bind_reducer(py::module_& m) {
       .def_readonly("optimizer_state_bytes", &leanddp::MemoryStats::optimizer_state_bytes)
       .def_readonly("peak_bucket_bytes", &leanddp::MemoryStats::peak_bucket_bytes)
       .def_readonly("max_buckets_in_flight", &leanddp::MemoryStats::max_buckets_in_flight)
+      .def_readonly("recycled_bucket_bytes", &leanddp::MemoryStats::recycled_bucket_bytes)
       .def_readonly("host_master_bytes", &leanddp::MemoryStats::host_master_bytes)
       .def_readonly("host_buffer_bytes", &leanddp::MemoryStats::host_buffer_bytes)
       .def_readonly("host_pinned_bytes", &leanddp::MemoryStats::host_pinned_bytes);

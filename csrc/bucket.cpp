@@ -67,16 +67,27 @@ Bucket make_bucket(const std::vector<at::Tensor>& params, const std::vector<int6
   return b;
 }
 
-void allocate_bucket(Bucket& b, const std::vector<at::Tensor>& params, bool zeroed) {
+void allocate_bucket(Bucket& b, const std::vector<at::Tensor>& params, bool zeroed,
+                     const at::Tensor& storage) {
   TORCH_CHECK(!b.sparse, "allocate_bucket: a sparse bucket has no flat storage");
   const at::Tensor& first = params.at(static_cast<size_t>(b.params.at(0)));
   const auto options = first.options().requires_grad(false);
+  const auto make = [&](int64_t n) {
+    if (!storage.defined()) return zeroed ? at::zeros({n}, options) : at::empty({n}, options);
+    TORCH_CHECK(storage.dim() == 1 && storage.numel() >= n &&
+                    storage.scalar_type() == first.scalar_type() &&
+                    storage.device() == first.device(),
+                "allocate_bucket: the storage given does not fit the bucket");
+    at::Tensor out = storage.narrow(0, 0, n);
+    if (zeroed) out.zero_();
+    return out;
+  };
   if (b.padded_numel > b.numel) {
-    b.padded = zeroed ? at::zeros({b.padded_numel}, options) : at::empty({b.padded_numel}, options);
+    b.padded = make(b.padded_numel);
     if (!zeroed) b.padded.narrow(0, b.numel, b.padded_numel - b.numel).zero_();
     b.flat = b.padded.narrow(0, 0, b.numel);
   } else {
-    b.flat = zeroed ? at::zeros({b.numel}, options) : at::empty({b.numel}, options);
+    b.flat = make(b.numel);
     b.padded = b.padded_numel > 0 ? b.flat : at::Tensor();  // (padded_numel == numel)
   }
   b.views.clear();

@@ -55,9 +55,10 @@ struct Bucket {
   at::Tensor padded;
 
   bool allocated() const { return flat.defined(); }
-  // Bytes of the storage while allocated (padding included).
+  // Bytes of the storage while allocated (padding included; a recycled buffer may be larger than
+  // the bucket: all of it).
   int64_t bytes() const {
-    return static_cast<int64_t>((padded.defined() ? padded : flat).nbytes());
+    return flat.defined() ? static_cast<int64_t>(flat.storage().nbytes()) : 0;
   }
 };
 
@@ -70,8 +71,10 @@ Bucket make_bucket(const std::vector<at::Tensor>& params, const std::vector<int6
 // when the parameter is dense and non-overlapping (channels_last stays channels_last), and are
 // contiguous otherwise. Uninitialized storage is for a bucket whose every slot is written before
 // it is read (the Reducer's re-allocation inside backward: each slot receives its gradient, or
-// zeros when the parameter has none).
-void allocate_bucket(Bucket& bucket, const std::vector<at::Tensor>& params, bool zeroed = true);
+// zeros when the parameter has none). `storage`, if defined (a 1-D buffer of the bucket's dtype
+// and device, at least as long as the bucket with its padding), is used instead of a new one.
+void allocate_bucket(Bucket& bucket, const std::vector<at::Tensor>& params, bool zeroed = true,
+                     const at::Tensor& storage = {});
 
 // Drops the bucket's storage (returned to the caching allocator once no tensor refers to it).
 void release_bucket(Bucket& bucket);

@@ -3,6 +3,7 @@
 #include "op_calls.h"
 
 #include <ATen/Parallel.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
@@ -187,6 +188,10 @@ void HostOffload::wait(bool host_too) {
 }
 
 void HostOffload::run_worker(const std::shared_ptr<Sync>& sync) {
+  // A new thread's current device is the first GPU: this rank's device instead, before the first
+  // CUDA call (an event synchronize does not set it), or every rank opens a context on GPU 0.
+  const c10::Device device = params_[0].device();
+  if (device.is_cuda()) c10::impl::VirtualGuardImpl(device.type()).setDevice(device);
   // The step kernels use at::parallel_for, an OpenMP team sized by this thread's own setting.
   at::internal::lazy_init_num_threads();
 #ifdef _OPENMP

@@ -107,9 +107,21 @@ void Reducer::ensure_allocated(size_t bucket_index) {
   if (bucket.allocated()) return;
   // Each slot is written before the bucket is read: a gradient copied or accumulated into its
   // view, or zeros at mark_ready for a parameter without one. So no zero fill here.
-  allocate_bucket(bucket, params_, /*zeroed=*/false);
+  at::Tensor storage;
+  if (recycler_) {  // (the stream that writes the gradients waits for the buffer's last use)
+    const at::Tensor& like = params_[static_cast<size_t>(bucket.params.front())];
+    storage = recycler_->take(std::max(bucket.numel, bucket.padded_numel), like,
+                              current_stream(like.device()));
+  }
+  allocate_bucket(bucket, params_, /*zeroed=*/false, storage);
   allocated_bytes_ += bucket.bytes();
-  peak_bucket_bytes_ = std::max(peak_bucket_bytes_, allocated_bytes_ + unfinished_bytes_);
+  note_peak();
+}
+
+void Reducer::note_peak() {
+  const int64_t recycled = recycler_ ? recycler_->bytes() : 0;
+  peak_bucket_bytes_ =
+      std::max(peak_bucket_bytes_, allocated_bytes_ + unfinished_bytes_ + recycled);
 }
 
 void Reducer::release(size_t bucket_index) {
@@ -464,6 +476,9 @@ void Reducer::finalize() {
       // the host does not wait. offload_to_cpu: the next forward waits for the host steps.
       if (step_stream_) {
         stream_wait(current_stream(params_.front().device()), *step_stream_, *events_);
+      } else if (nan_flags_armed_ && window_.device_ordered()) {
+        // offload_to_cpu: the flags were set on its device-to-host stream
+        stream_wait(current_stream(params_.front().device()), side_stream(), *events_);
       }
       read_nan_flags();  // (device NaN check: after the wait, on the caller's stream)
       if (nan_bucket_ >= 0) raise_nonfinite(used);
@@ -612,6 +627,10 @@ void Reducer::register_comm_hook(std::unique_ptr<CommHook> hook) {
               "leanddp.DistributedDataParallel: register_comm_hook is not supported with "
               "shard_optimizer_state (each bucket is reduce-scattered, not handed to a hook)");
   comm_hook_ = std::move(hook);
+  // A hook's collective keeps its bucket past its release on a GPU (recycler.h).
+  if (window_.device_ordered() && options_.step_in_backward) {
+    recycler_ = std::make_unique<BucketRecycler>(options_.buckets_in_flight + 1);
+  }
 }
 
 int64_t Reducer::num_iterations() const {

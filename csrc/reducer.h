@@ -45,6 +45,7 @@
 #include "comm_hook.h"
 #include "fused_optim.h"
 #include "offload.h"
+#include "recycler.h"
 #include "run_stats.h"
 #include "shard.h"
 #include "step_window.h"
@@ -124,6 +125,9 @@ struct MemoryStats {
   // buckets launched but not yet stepped and finished (optimizer_in_backward).
   int64_t peak_bucket_bytes = 0;
   int64_t max_buckets_in_flight = 0;
+  // Released bucket storage kept for the next buckets (a comm hook with optimizer_in_backward on
+  // a GPU: recycler.h); counted in peak_bucket_bytes, not in bucket_bytes.
+  int64_t recycled_bucket_bytes = 0;
   // offload_to_cpu: float32 master weights, and staging/low-precision buffers, on the host; and
   // how many of those bytes are pinned (page-locked).
   int64_t host_master_bytes = 0;
@@ -277,13 +281,13 @@ class Reducer {
   // all) and remembers the first holding a NaN or infinity, with its offending parameters. Every
   // rank holds the same reduced values, so every rank finds the same bucket.
   void check_finite(const std::vector<size_t>& indices);
-  // The NaN check on the device (check_for_nan_in_grad=True with in-backward steps on the
-  // device, no offload): whether it applies; flag_nonfinite() queues, on the current stream,
-  // the flags of bucket `index`'s parameters and folds them into nan_seen_, which the fused
-  // kernels take as found_inf (a bucket holding NaN/inf and every one after it are not
-  // stepped); read_nan_flags() reads the flags (the one host synchronization of the check per
-  // backward), finds the first bucket flagged and takes back the host step counts of the
-  // members whose kernels skipped.
+  // The NaN check on the device (check_for_nan_in_grad=True with in-backward steps; with
+  // offload_to_cpu too, whose host steps are held until the end of backward): whether it applies;
+  // flag_nonfinite() queues, on the current stream, the flags of bucket `index`'s parameters and
+  // folds them into nan_seen_, which the fused kernels take as found_inf (a bucket holding NaN/inf
+  // and every one after it are not stepped); read_nan_flags() reads the flags (the one host
+  // synchronization of the check per backward), finds the first bucket flagged and takes back the
+  // host step counts of the members whose kernels skipped.
   bool device_nan_check() const;
   void flag_nonfinite(size_t index);
   void read_nan_flags();
@@ -336,6 +340,9 @@ class Reducer {
   // GPU: the stream buckets are stepped on (HostOffload's device-to-host stream with offload).
   c10::Stream side_stream() const;
   void ensure_allocated(size_t bucket_index);
+  // Raises peak_bucket_bytes_ to what is held now: buckets allocated, released ones whose device
+  // work may still run, and recycled storage.
+  void note_peak();
   // Throws "<what> only before the first backward" once a backward has been prepared or run.
   void check_before_first_backward(const char* what) const;
   void check_open(const char* what) const;  // raises once closed
@@ -432,6 +439,9 @@ class Reducer {
   // side stream after its step, and the bucket's bytes (released, but in use until then).
   std::deque<std::pair<EventPool::Handle, int64_t>> finish_events_;
   int64_t unfinished_bytes_ = 0;
+  // A comm hook with in-backward steps on a GPU: released buckets' storage, reused for the next
+  // buckets (recycler.h); null otherwise. Set by register_comm_hook.
+  std::unique_ptr<BucketRecycler> recycler_;
   // Per bucket: kCollected once its result is in `flat`, kChecked once also found finite.
   static constexpr char kCollected = 1, kChecked = 2;
   std::vector<char> collected_;

@@ -51,8 +51,8 @@ bool Reducer::abandon_iteration(bool step_launched) {
   if (comm_hook_) comm_hook_->reset();
   if (nan_flags_armed_) {
     try {  // the device NaN check: the counts of the steps its flags skipped go back
-      if (step_stream_) {
-        stream_wait(current_stream(params_.front().device()), *step_stream_, *events_);
+      if (window_.device_ordered()) {  // (the flags were set on the side stream)
+        stream_wait(current_stream(params_.front().device()), side_stream(), *events_);
       }
       read_nan_flags();
     } catch (...) {
@@ -131,7 +131,9 @@ void Reducer::check_finite(const std::vector<size_t>& indices) {
 }
 
 bool Reducer::device_nan_check() const {
-  return options_.nan_check == NanCheck::kOn && options_.step_in_backward && !offload_;
+  // (offload_to_cpu holds its host steps until the end of backward: the flags are read there,
+  // once, and a NaN drops every held step)
+  return options_.nan_check == NanCheck::kOn && options_.step_in_backward;
 }
 
 namespace {

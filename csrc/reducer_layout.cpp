@@ -70,6 +70,7 @@ bool Reducer::rebuild_buckets() {
   }
   const std::vector<Bucket> old_buckets = std::move(buckets_);
   build_buckets(assign_buckets(params_, order, options_.caps_bytes, options_.expect_sparse));
+  if (recycler_) recycler_->clear();  // buffers cut for the old layout's bucket sizes
   if (offload_) {
     offload_->relayout(old_buckets, buckets_);
   } else if (fused_) {
@@ -109,6 +110,7 @@ MemoryStats Reducer::memory_stats() const {
   stats.optimizer_state_bytes = fused ? fused->state_bytes() : 0;
   stats.peak_bucket_bytes = peak_bucket_bytes_;
   stats.max_buckets_in_flight = max_in_flight_;
+  stats.recycled_bucket_bytes = recycler_ ? recycler_->bytes() : 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& grad = params_[i].grad();
     if (!grad.defined()) continue;

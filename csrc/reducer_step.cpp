@@ -127,13 +127,20 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
   }
   if (side) {
     // The bucket is released now; the caching allocator hands its memory out again only after
-    // the side stream's work on it.
+    // the side stream's work on it. With a comm hook the recycler keeps it instead (its bytes
+    // are counted there, not as unfinished).
     const int64_t bytes = bucket.bytes();
     record_on_stream(bucket.flat, *side);
-    finish_events_.emplace_back(events_->record(*side), bytes);
-    unfinished_bytes_ += bytes;
+    finish_events_.emplace_back(events_->record(*side), recycler_ ? 0 : bytes);
+    unfinished_bytes_ += recycler_ ? 0 : bytes;
+    if (recycler_ && bucket.allocated()) {
+      const at::Tensor& whole = bucket.padded.defined() ? bucket.padded : bucket.flat;
+      recycler_->give(at::Tensor(whole).as_strided({bytes / whole.element_size()}, {1}, 0),
+                      events_->record(*side));
+    }
   }
   if (gathering_.empty() || gathering_.back() != index) release(index);
+  if (recycler_) note_peak();  // (kept storage counts as held)
 }
 
 void Reducer::set_optimizer(std::unique_ptr<FusedOptimizer> fused,

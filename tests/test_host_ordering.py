@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from ddp_models import Case, LockStep, Net, accumulate, assert_same
 from dist_harness import run_ranks
-from in_backward_models import OPTIMIZERS, InBackwardLockStep, train_lock_step
+from in_backward_models import OPTIMIZERS, Deep, InBackwardLockStep, train_lock_step
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -130,16 +130,24 @@ def _comm_hooks(rank: int, world_size: int) -> None:
     ):
         what = f"host-ordered {hook.__name__} offload={offload}"
         before = _C._host_ordering_counts()
-        run = _host_ordered(
+        run = _host_ordered(  # twelve layers of 12 x 12: a bucket each
             lambda offload=offload: InBackwardLockStep(
-                Net(rank=rank, f64=False), OPTIMIZERS["adamw"], offload=offload,
-                bucket_cap_mb=TINY,
+                Deep(width=12), OPTIMIZERS["adamw"], offload=offload, bucket_cap_mb=TINY
             )
-        )  # fmt: skip
+        )
         for ddp in (run.ref, run.ours):
             ddp.register_comm_hook(ddp.process_group, hook)
-        train_lock_step(run, what, 2, STEPS)
+        train_lock_step(run, what, 1, STEPS)
         _counts_moved(before, what, "records", "blocks")
+        # A hook's collective may keep a released bucket (NCCL's stash): its storage is kept
+        # and reused for the next buckets, so what is held stays bounded whatever the count.
+        stats = run.ours.memory_stats()
+        largest = max(run.ours.reducer.bucket_bytes())
+        window = _C.BUCKETS_IN_FLIGHT
+        assert stats["num_buckets"] > 2 * (window + 1), stats  # a bound the count would break
+        assert 0 < stats["recycled_bucket_bytes"] <= (window + 1) * largest, (what, stats)
+        assert stats["peak_bucket_bytes"] <= (window + 2) * largest, (what, stats)
+        train_lock_step(run, f"{what} accum=2", 2, 2)  # (every bucket held across micro-batches)
     # gradient views without in-backward steps: a hook's result followed on the stream
     for accum in (1, 3):
         case = Case(accum=accum, tiny_buckets=True, optimizer="adamw")
@@ -212,3 +220,20 @@ def _mixed_offload(rank: int, world_size: int) -> None:
 
 def test_offload_with_mixed_dtypes_through_the_device_staging_path() -> None:
     run_ranks(2, _mixed_offload)
+
+
+def _nan_check(rank: int, world_size: int) -> None:
+    from test_nan_check import _nan_step
+
+    _C._set_host_ordering(True)  # (torch's DDP beside ours is not affected)
+    before = _C._host_ordering_counts()
+    for config, check, accum in (("in_backward", True, 1), ("offload", True, 2)):
+        _nan_step(rank, world_size, config, check, accum)
+    _counts_moved(before, "NaN check", "records", "blocks")
+
+
+def test_nan_check_flags_on_the_side_stream() -> None:
+    """check_for_nan_in_grad with in-backward steps and with offload_to_cpu: each bucket's
+    flags are set on the side stream, read once at the end of backward (offload's host steps
+    are held until then, and dropped on a NaN)."""
+    run_ranks(2, _nan_check)

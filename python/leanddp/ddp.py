@@ -467,11 +467,15 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         ``host_pinned_bytes`` (how many of those host bytes are pinned: the staging buffers that
         cross PCIe when the model is on a GPU, nothing else); the counts ``grads_as_views``,
         ``grads_outside`` and ``num_buckets``; for the last synchronized backward,
-        ``peak_bucket_bytes`` (most bucket bytes allocated at once) and
-        ``max_buckets_in_flight`` (most buckets reduced or reducing but not yet stepped, with
-        optimizer_in_backward); and ``host_bytes_per_param``: host bytes per trainable
-        parameter by category (``optimizer_state``, ``master_weights``, ``staging``,
-        ``pinned``; all 0.0 without offload_to_cpu)."""
+        ``peak_bucket_bytes`` (most bucket bytes held at once: allocated, released but still
+        in use on the device, or kept for reuse) and ``max_buckets_in_flight`` (most buckets
+        reduced or reducing but not yet stepped, with optimizer_in_backward);
+        ``recycled_bucket_bytes`` (released bucket storage kept for the next buckets: with a
+        communication hook and optimizer_in_backward on a GPU, whose collectives keep their
+        buckets past their release, at most ``buckets in flight + 1`` buffers); and
+        ``host_bytes_per_param``: host bytes per trainable parameter by category
+        (``optimizer_state``, ``master_weights``, ``staging``, ``pinned``; all 0.0 without
+        offload_to_cpu)."""
         s = self.reducer.memory_stats()
         numel = max(1, sum(p.numel() for p in self._params))
         state = self._in_backward.state_bytes() if self._in_backward else 0
@@ -496,6 +500,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             "num_buckets": s.num_buckets,
             "peak_bucket_bytes": s.peak_bucket_bytes,
             "max_buckets_in_flight": s.max_buckets_in_flight,
+            "recycled_bucket_bytes": s.recycled_bucket_bytes,
             "host_bytes_per_param": {k: v / numel for k, v in host.items()},
         }
 
