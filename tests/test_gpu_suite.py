@@ -1,5 +1,7 @@
-"""The GPU suite (benchmarks/gpu/) in its CPU smoke mode: ``run.sh --smoke`` end to end, the
-report with a bench_ops.json beside it, and the usage errors of every script."""
+"""The GPU suite (benchmarks/gpu/) in its CPU smoke mode: ``run.sh --smoke`` end to end (the
+environment first, the report), the report with a bench_ops.json beside it, the usage errors of
+every script, and the tests part's pytest files without a GPU: they collect, and every GPU case
+in them is skipped, none fails or errors."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import importlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,6 +58,49 @@ def smoke_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def finite(value: float, positive: bool = True) -> bool:
     """A finite number, and above zero when ``positive``."""
     return isinstance(value, (int, float)) and math.isfinite(value) and (value > 0 or not positive)
+
+
+def test_environment_comes_first(smoke_dir: Path) -> None:
+    """run.log starts with the machine and the toolchain, also in env.txt; a tool this machine
+    lacks (nvidia-smi, compute-sanitizer) is noted, not fatal."""
+    env = (smoke_dir / "env.txt").read_text()
+    for label in ("cpu cores", "gpus", "python", "torch", "nvcc", "compute-sanitizer", "git"):
+        assert re.search(rf"^{label}\b", env, re.M), (label, env)
+    assert "nccl" in env and "source hash" in env, env
+    log = (smoke_dir / "run.log").read_text()
+    assert log.index("cpu cores:") < log.index("bench: memory_timeline"), log[:2000]
+
+
+def test_gpu_cases_skip_cleanly_without_a_gpu() -> None:
+    """What run.sh's tests part runs with pytest (the GPU cases of its files), run here with no
+    GPU visible: every file collects, and every case is skipped for want of a GPU; none fails,
+    errors or passes. (A GPU run meets no import or collection error first; a GPU case that
+    forgot its skip mark fails here, not there.)"""
+    listed = subprocess.run(
+        ["bash", str(SUITE / "run.sh"), "--list-tests"], capture_output=True, text=True
+    )
+    assert listed.returncode == 0, listed.stderr
+    args = listed.stdout.splitlines()
+    files = [a for a in args if a.endswith(".py")]
+    assert "tests/test_cuda_ddp.py" in files and all((REPO / f).is_file() for f in files), args
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args],
+        cwd=REPO,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    summary = out.strip().splitlines()[-1]  # e.g. "130 skipped, 116 deselected in 1.64s"
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (\w+)", summary)}
+    others = set(counts) - {"skipped", "deselected", "warnings", "warning"}
+    assert proc.returncode == 0 and counts.get("skipped") and not others, out[-6000:]
+    skips = re.findall(r"^SKIPPED \[(\d+)\] (tests/[\w.]+):\d+: (.*)$", out, re.M)
+    assert sum(int(n) for n, _, _ in skips) == counts["skipped"], out[-6000:]
+    bad = {reason for _, _, reason in skips if "GPU" not in reason}
+    assert not bad, f"skipped for another reason than a missing GPU: {bad}"
+    assert {f for _, f, _ in skips} == set(files), "a file has no GPU case left"
 
 
 def test_memory_timeline_json(smoke_dir: Path) -> None:

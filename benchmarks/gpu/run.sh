@@ -3,20 +3,23 @@
 # the GPU benchmarks and their report.
 #
 #   benchmarks/gpu/run.sh [--smoke] [all|build|tests|bench] [OUT_DIR]
+#   benchmarks/gpu/run.sh --list-tests   (the tests part's pytest arguments, one per line)
 #
 #   all     (default) build, tests, bench
-#   tests   build (when needed), then the tests; fits one 10-minute device command
+#   tests   build (when needed), then the tests; meant to fit one 10-minute device command
 #   bench   build (when needed), then the benchmarks; fits one 10-minute device command
 #   build   pip install for the local GPU's architecture (TORCH_CUDA_ARCH_LIST from
 #           torch.cuda.get_device_capability()); skipped when leanddp imports with its CUDA
 #           kernels and build/gpu-suite.stamp matches the hash of csrc/, python/, setup.py and
 #           pyproject.toml, the GPU's architecture and the torch version
-#   the tests part: pytest with the GPU visible: tests/test_flatten.py tests/test_optim_ops.py
+#   the tests part: pytest with the GPU visible, over the cases that need one (-k "cuda or gpu":
+#           their CPU cases run in CI) of tests/test_flatten.py tests/test_optim_ops.py
 #           tests/test_cuda_ops.py tests/test_layout_ops.py tests/test_offload.py
-#           tests/test_in_backward_lowp.py (and tests/test_cuda_ddp.py when it exists); then
-#           compute-sanitizer memcheck, racecheck and synccheck, each over the op tests' CUDA
-#           cases (-k cuda) and test_cuda_ddp.py's in_backward cases; a run fails on
-#           "ERROR SUMMARY: N errors" with N > 0, on a failing test, on no summary, on a timeout
+#           tests/test_in_backward_lowp.py tests/test_cuda_ddp.py; then compute-sanitizer
+#           memcheck, racecheck and synccheck, each over the op tests' CUDA cases (-k cuda) and
+#           test_cuda_ddp.py's in_backward parity cases; a run fails on "ERROR SUMMARY: N errors"
+#           with N > 0, on a failing test, on no summary, on a timeout. CI (tests/test_gpu_suite.py)
+#           runs the same pytest arguments without a GPU: each case must skip cleanly
 #   the bench part: memory_timeline.py (fp32, bf16), step_time.py (GPT-2 small, bf16 and fp32),
 #           benchmarks/bench_ops.py --device cuda, then report.py: OUT_DIR/report.md; both
 #           benchmarks include leanddp in-backward sharded (shard_optimizer_state) at world size
@@ -26,15 +29,28 @@
 #   --smoke (or LEANDDP_GPU_SMOKE=1) the bench part only, on the CPU with the tiny model and few
 #           steps, without bench_ops: checks the scripts where there is no GPU (35-55 s on 2 cores)
 #
-# OUT_DIR: default $OUT, else benchmarks/out/gpu. Logged there: run.log (everything),
-# logs/<step>.log, steps.tsv (each step's status, seconds and note; report.md shows it).
+# OUT_DIR: default $OUT, else benchmarks/out/gpu. Written there first: env.txt (GPUs and driver,
+# torch, CUDA, NCCL, python, nvcc, compute-sanitizer, the git commit or "none" in a copy without
+# .git, the source hash, cores; a missing tool is noted, never fatal), also at the top of run.log
+# (everything); then logs/<step>.log (a failing step's too), steps.tsv (each step's status,
+# seconds and note) and report.md, written whichever step failed: report.py's when it can (it
+# shows steps.tsv), else one with env.txt, the steps and the end of each failing step's log.
 # Environment: PYTHON (default python3; must have a CUDA build of torch, pytest, setuptools,
 # ninja, matplotlib; nvcc and compute-sanitizer from the CUDA toolkit; no network is used),
 # MAX_JOBS (default: nproc).
-# Expected on one H100 with 16 cores (estimates; the step table records the real times):
-#   build  a few minutes, one architecture (skipped when nothing changed)
-#   tests  under 10 minutes with the build: pytest ~2-3 min; the three sanitizer runs share what
-#          is left of TESTS_BUDGET_S, counted from the start (each capped at SANITIZER_MAX_S)
+# Measured without a GPU (2 shared cores, load 4-5): the environment ~2 s; collecting the tests
+# part's files ~6 s (1.4 s in pytest; 130 GPU cases, 116 CPU ones deselected: those took 197 s);
+# --smoke bench 47 s (memory_timeline 23 s, step_time 17 s, report 5 s).
+# Expected on one H100 with 16 cores (estimates, not yet measured; the step table and pytest's
+# --durations record the real times):
+#   build  1-3 minutes, one architecture (skipped when nothing changed: not on a fresh machine)
+#   tests  pytest ~3-4 min: 25 process groups started (23 in test_cuda_ddp.py, ~5 s each for
+#          spawn, CUDA and NCCL start), ~1 min in their bodies, ~30 s for the op tests' ~100
+#          CUDA cases; the three sanitizer runs share what is left of TESTS_BUDGET_S, counted
+#          from the start with the build (each capped at SANITIZER_MAX_S, at least
+#          SANITIZER_MIN_S, pytest capped so that three of those fit). With a 3-minute build
+#          pytest gets 570 - 180 - 180 = 210 s: if its timeout cuts it, run `tests` again on the
+#          same warm machine (the build is then skipped) or split the call
 #   bench  ~4-5 minutes: memory_timeline ~40 s, step_time ~2.5-3.5 min, bench_ops ~30 s,
 #          report ~5 s
 # Every step runs even when an earlier one failed; exit status 1 when any failed, 2 on bad usage.
@@ -51,6 +67,11 @@ SANITIZER_MAX_S=240  # one compute-sanitizer run at most
 SANITIZER_MIN_S=60   # one compute-sanitizer run at least (pytest is capped so that three fit)
 OPS_TESTS=(tests/test_flatten.py tests/test_optim_ops.py tests/test_cuda_ops.py tests/test_layout_ops.py)
 DDP_TESTS=tests/test_cuda_ddp.py
+# the tests part's pytest arguments: the cases of these files that need a GPU (their CPU cases
+# run in CI; tests/test_gpu_suite.py runs these arguments there, where each must skip cleanly)
+GPU_CASES="cuda or gpu"
+PYTEST_ARGS=(-k "$GPU_CASES" "${OPS_TESTS[@]}" tests/test_offload.py tests/test_in_backward_lowp.py
+  "$DDP_TESTS")
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 bad_usage() {
@@ -63,6 +84,7 @@ PART="" OUT_DIR=""
 for arg in "$@"; do
   case $arg in
     --smoke) SMOKE=1 ;;
+    --list-tests) printf '%s\n' "${PYTEST_ARGS[@]}" && exit 0 ;;
     -h | --help) usage && exit 0 ;;
     -*) bad_usage "unknown option $arg" ;;
     *)
@@ -151,6 +173,57 @@ find_sanitizer() {
   return 1
 }
 
+probe() {  # probe LABEL CMD...: CMD's output after LABEL; a missing or failing tool is noted
+  local label=$1 out status=0
+  shift
+  if ! command -v "$1" >/dev/null 2>&1; then
+    echo "$label: not found ($1)"
+    return 0
+  fi
+  out=$(timeout -k 5 60 "$@" 2>&1) || status=$?
+  ((status == 0)) || out="${out:+$out$'\n'}(exit status $status)"
+  if [[ $out == *$'\n'* ]]; then
+    echo "$label:"
+    printf '%s\n' "$out" | sed 's/^/    /'
+  else
+    echo "$label: $out"
+  fi
+}
+
+print_env() {  # the machine, the toolchain and the source: first in run.log, and in env.txt
+  local nvcc sanitizer top
+  nvcc=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
+  sanitizer=$(find_sanitizer || echo compute-sanitizer)
+  {
+    echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+    probe host uname -srm
+    probe "cpu cores" nproc
+    probe "cpu model" sh -c "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'"
+    probe "memory" sh -c "grep -m1 MemTotal /proc/meminfo | tr -s ' '"
+    probe "gpus" nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    probe python "$PYTHON" -c 'import sys; print(sys.version.split()[0], sys.executable)'
+    probe torch "$PYTHON" -c '
+import torch
+print(torch.__version__, "cuda", torch.version.cuda, "gpus visible", torch.cuda.device_count())
+try:
+    v = torch.cuda.nccl.version()
+    print("nccl", ".".join(map(str, v)) if isinstance(v, tuple) else v)
+except Exception as e:
+    print("nccl: unavailable:", e)'
+    probe nvcc "$nvcc" --version
+    probe compute-sanitizer "$sanitizer" --version
+    top=$(git -C "$REPO" rev-parse --show-toplevel 2>/dev/null || true)
+    if [ -n "$top" ] && [ "$(cd "$top" && pwd -P)" = "$REPO" ]; then
+      probe "git commit" git -C "$REPO" log -1 --format='%H %cd %<(72,trunc)%s' --date=short
+      echo "git: $(git -C "$REPO" status --porcelain 2>/dev/null | wc -l)" \
+        "paths changed or untracked"
+    else
+      echo "git commit: none (no .git: a copy of the working tree)"
+    fi
+    echo "source hash (csrc, python, setup.py, pyproject.toml): $(source_hash || echo unknown)"
+  } 2>&1 | tee "$OUT_DIR/env.txt"
+}
+
 sanitize() {  # sanitize TOOL SECONDS: one compute-sanitizer run (runs without errexit)
   local tool=$1 limit=$2 bin out status errors summaries selection
   local pre=(env) files=("${OPS_TESTS[@]}")
@@ -161,7 +234,8 @@ sanitize() {  # sanitize TOOL SECONDS: one compute-sanitizer run (runs without e
   selection="(cuda and not test_cuda_ddp)"
   if [ -f "$REPO/$DDP_TESTS" ]; then
     files+=("$DDP_TESTS")
-    selection="$selection or (test_cuda_ddp and in_backward)"
+    # (the no-host-synchronization cases run the same kernels as the parity ones, 4 times over)
+    selection="$selection or (test_cuda_ddp and in_backward and not synchronization)"
   fi
   # memcheck sees allocations, not the caching allocator's blocks: one cudaMalloc per tensor
   [ "$tool" = memcheck ] && pre+=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
@@ -186,6 +260,36 @@ sanitize() {  # sanitize TOOL SECONDS: one compute-sanitizer run (runs without e
   return "$status"
 }
 
+fallback_report() {  # fallback_report WHY: report.md without report.py (none of its inputs,
+  # or it failed): the environment, the steps, the end of each failing step's log
+  local name log
+  {
+    printf '# leanddp GPU suite\n\nNo benchmark report: %s.\n\n## Environment\n\n```text\n' "$1"
+    cat "$OUT_DIR/env.txt" 2>/dev/null
+    printf '```\n\n## Suite steps (`benchmarks/gpu/run.sh`)\n\n'
+    printf '| step | status | seconds | note |\n|---|---|---:|---|\n'
+    [ -f "$STEPS" ] && awk -F'\t' '{printf "| %s | %s | %s | %s |\n", $1, $2, $3, $4}' "$STEPS"
+    for name in "${FAILED[@]}"; do
+      log=logs/${name#*: }.log
+      printf '\n## %s: the end of %s\n\n```text\n' "$name" "$log"
+      tail -n 40 "$OUT_DIR/$log" 2>/dev/null
+      printf '```\n'
+    done
+  } >"$OUT_DIR/report.md" || true
+  echo "wrote $OUT_DIR/report.md ($1)"
+}
+
+ensure_report() {  # report.md holds this run's steps, whichever step failed
+  if [ "$PART" = tests ] || [ "$PART" = build ]; then
+    # the benchmarks of an earlier run into this directory, if any, with this run's steps
+    rm -f "$OUT_DIR/report.md"
+    "$PYTHON" "$HERE/report.py" "$OUT_DIR" >/dev/null 2>&1 || true
+    [ -f "$OUT_DIR/report.md" ] || fallback_report "part $PART runs no benchmark"
+  elif [ ! -f "$OUT_DIR/report.md" ]; then
+    fallback_report "report.py wrote none (see logs/report.log)"
+  fi
+}
+
 part_build() {
   if [ "$SMOKE" = 1 ]; then
     skip build build "smoke run: the installed leanddp is used"
@@ -200,11 +304,9 @@ part_tests() {
     return 0
   fi
   local start=$PART_START tool left runs=3 limit
-  local files=("${OPS_TESTS[@]}" tests/test_offload.py tests/test_in_backward_lowp.py)
-  [ -f "$REPO/$DDP_TESTS" ] && files+=("$DDP_TESTS")
   # pytest gets what the build left and the three sanitizer runs do not need at least
   step tests pytest timeout -k 10 $((TESTS_BUDGET_S - (SECONDS - start) - 3 * SANITIZER_MIN_S)) \
-    "$PYTHON" -m pytest -q -p no:cacheprovider "${files[@]}"
+    "$PYTHON" -m pytest -q -rs --durations=15 -p no:cacheprovider "${PYTEST_ARGS[@]}"
   for tool in memcheck racecheck synccheck; do
     left=$((TESTS_BUDGET_S - (SECONDS - start)))
     limit=$((left / runs))
@@ -242,13 +344,13 @@ part_bench() {
 main() {
   cd "$REPO"
   say "part $PART$([ "$SMOKE" = 1 ] && echo ' (smoke: CPU, tiny model)'), output in $OUT_DIR"
+  say "environment (also in env.txt)"
+  print_env
   if [ "$SMOKE" = 0 ] &&
     ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     echo "no GPU is visible to $PYTHON's torch: use --smoke (LEANDDP_GPU_SMOKE=1) for the CPU check"
     exit 1
   fi
-  "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
   # this invocation's rows replace those of the same parts from an earlier one
   touch "$STEPS"
   if [ "$PART" = all ]; then : >"$STEPS"; else
@@ -269,6 +371,7 @@ main() {
       "part_$PART"
       ;;
   esac
+  ensure_report
   say "done in $SECONDS s; steps:"
   column -t -s $'\t' "$STEPS" 2>/dev/null || cat "$STEPS"
   if ((${#FAILED[@]})); then
