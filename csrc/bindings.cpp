@@ -433,9 +433,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         auto group = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
         const leanddp::ShardLayout layout = leanddp::shard_layout(
             offsets, numels, bucket_numel, align, group->getSize(), group->getRank());
-        auto work = leanddp::reduce_to_shard(group, flat, layout);
+        // Without the GIL from the collective's start (as torch's bindings): gloo's worker may
+        // drop an earlier work's Python-owned tensors, which takes the GIL, while holding the
+        // lock the start needs.
         py::gil_scoped_release no_gil;
-        work->wait();
+        leanddp::reduce_to_shard(group, flat, layout)->wait();
       },
       py::arg("process_group"), py::arg("flat"), py::arg("offsets"), py::arg("numels"),
       py::arg("bucket_numel"), py::arg("align"),
@@ -474,10 +476,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         auto group = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
         const leanddp::ShardLayout layout = leanddp::shard_layout(
             offsets, numels, bucket_numel, align, group->getSize(), group->getRank());
+        py::gil_scoped_release no_gil;  // (see _reduce_to_shard)
         leanddp::pack_shard(flat, layout, sources);
-        auto work = leanddp::gather_shards(group, flat, layout);
-        py::gil_scoped_release no_gil;
-        work->wait();
+        leanddp::gather_shards(group, flat, layout)->wait();
       },
       py::arg("process_group"), py::arg("flat"), py::arg("offsets"), py::arg("numels"),
       py::arg("bucket_numel"), py::arg("align"), py::arg("sources"),
