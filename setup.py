@@ -30,6 +30,14 @@ LEANDDP_SANITIZE=1       AddressSanitizer + UndefinedBehaviorSanitizer build, fo
                          be preloaded (LD_PRELOAD) into every process that imports the result:
                          tests/scripts/sanitize.sh builds it in a copy of the tree and runs the
                          tests that way.
+LEANDDP_COVERAGE=1       Line and branch coverage build (gcov), for testing only: compiles and
+                         links the C++ with --coverage -O0 -g, -fprofile-update=atomic (hooks,
+                         the offload worker and OpenMP threads count too) and __gcov_dump kept,
+                         so that a process leaving by os._exit can write its counts first.
+                         Always CPU-only, as with LEANDDP_CPU_ONLY=1 (an error with
+                         LEANDDP_FORCE_CUDA=1 or LEANDDP_SANITIZE=1). GCC.
+                         tests/scripts/coverage.sh builds it in a copy of the tree, runs the
+                         tests and lists what they never ran (docs/gpu-only-code.md).
 
 By default the CUDA kernels are built whenever the installed torch has CUDA
 (``torch.version.cuda``) and a CUDA toolkit with nvcc is found; no GPU is needed.
@@ -90,7 +98,7 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 
 def _want_cuda() -> bool:
     force = _flag("LEANDDP_FORCE_CUDA") or _flag("FORCE_CUDA")
-    for cpu_only in ("LEANDDP_CPU_ONLY", "LEANDDP_SANITIZE"):
+    for cpu_only in ("LEANDDP_CPU_ONLY", "LEANDDP_SANITIZE", "LEANDDP_COVERAGE"):
         if _flag(cpu_only):
             if force:
                 raise RuntimeError(f"{cpu_only} and LEANDDP_FORCE_CUDA are both set; pick one")
@@ -116,6 +124,12 @@ def _extension():
         # -fno-wrapv undoes the -fwrapv in Python's CFLAGS, so UBSan reports signed overflow.
         opt = [*sanitize, "-fno-wrapv", "-g", "-O0" if debug else "-O1"]
         link += sanitize
+    if _flag("LEANDDP_COVERAGE"):
+        if _flag("LEANDDP_SANITIZE"):
+            raise RuntimeError("LEANDDP_COVERAGE and LEANDDP_SANITIZE are both set; pick one")
+        coverage = ["--coverage", "-fprofile-update=atomic"]
+        opt = [*coverage, "-O0", "-g"]
+        link += [*coverage, "-Wl,--undefined=__gcov_dump"]
     cxx = [*opt, "-fno-math-errno", "-ffp-contract=off", "-Wall", "-Wno-unused-function"]
     if platform.system() == "Linux":
         # at::parallel_for is OpenMP inlined into our code: without -fopenmp it silently runs on
