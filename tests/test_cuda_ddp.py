@@ -65,6 +65,26 @@ def _in_backward(rank: int, world_size: int) -> None:
         assert run.ours.memory_stats()["max_buckets_in_flight"] <= _C.BUCKETS_IN_FLIGHT
 
 
+def _mixed_backends(rank: int, world_size: int) -> None:
+    """A default group of "cpu:gloo,cuda:nccl" is named neither gloo nor nccl as a whole:
+    shard_optimizer_state reduce-scatters its CUDA buckets all the same (NCCL serves them), and
+    allreduces CPU ones (gloo); then trains against torch on that group."""
+    group = dist.group.WORLD
+    assert _C._reduces_scattered(group, "cuda") and not _C._reduces_scattered(group, "cpu")
+    run = InBackwardLockStep(
+        Net(rank=rank, f64=False).cuda(),
+        OPTIMIZERS["adamw"],
+        ours_kwargs=dict(shard_optimizer_state=True),
+    )
+    for step in range(STEPS):
+        run.step(_batches(2))
+        assert_params_close(run, f"cpu:gloo,cuda:nccl sharded step {step}")
+
+
+def test_sharded_reduce_scatters_on_a_mixed_backend_group() -> None:
+    run_ranks(1, _mixed_backends, backend="cpu:gloo,cuda:nccl", set_device=False)
+
+
 def _sharded(rank: int, world_size: int) -> None:
     """shard_optimizer_state on the device and with offload_to_cpu: parameters within 1e-5 of
     torch's after every step, and the gathered state torch's optimizer's."""
@@ -469,7 +489,8 @@ def _sync_free(rank: int, world_size: int, config: str) -> None:
     raises. Each configuration with one micro-batch per step and with two (the first under
     no_sync), with the built-in reduction and with torch's allreduce_hook (not "sharded", which
     refuses hooks). With check_for_nan_in_grad ("nan_check"), exactly one synchronization per
-    synchronized backward: the read of the check's device flags at its end. "fp16_scaler":
+    synchronized backward: the read of the check's device flags at its end, with offload_to_cpu
+    too ("offload_nan_check": the flags set on its device-to-host stream). "fp16_scaler":
     fp16 parameters stepped by the fused kernels under a GradScaler, with a tensor lr.
     "sharded": shard_optimizer_state (reduce-scatter, step, all-gather, all ordered on the side
     stream)."""
@@ -486,11 +507,11 @@ def _sync_free_steps(rank: int, config: str, accum: int, hook) -> None:
     kwargs = dict(device_ids=[0], bucket_cap_mb=0.0005)
     if config != "views":
         kwargs["optimizer_in_backward"] = factory
-    if config == "offload":
+    if config in ("offload", "offload_nan_check"):
         kwargs["offload_to_cpu"] = True
     if config == "sharded":
         kwargs["shard_optimizer_state"] = True
-    if config == "nan_check":
+    if config in ("nan_check", "offload_nan_check"):
         kwargs["check_for_nan_in_grad"] = True
     model = Net(rank=rank, f64=False).cuda()
     scaler = None
@@ -521,7 +542,7 @@ def _sync_free_steps(rank: int, config: str, accum: int, hook) -> None:
     for _ in range(3):  # the bucket rebuild (a broadcast read on the host) happens here
         step()
     torch.cuda.synchronize()
-    expected = 3 if config == "nan_check" else 0
+    expected = 3 if config.endswith("nan_check") else 0
     torch.cuda.set_sync_debug_mode("error" if expected == 0 else "warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -538,7 +559,8 @@ def _sync_free_steps(rank: int, config: str, accum: int, hook) -> None:
 
 
 @pytest.mark.parametrize(
-    "config", ["views", "in_backward", "offload", "nan_check", "fp16_scaler", "sharded"]
+    "config",
+    ["views", "in_backward", "offload", "nan_check", "offload_nan_check", "fp16_scaler", "sharded"],
 )
 def test_no_host_synchronization_per_iteration(config: str) -> None:
     run_ranks(1, _sync_free, config, backend="nccl")
