@@ -119,3 +119,56 @@ def test_uploading_launches_refuse_capture_before_writing():
         ops.flatten_into(ts, out)
     torch.cuda.synchronize()
     assert not out.any(), "a refused capture wrote to out"
+
+
+# Past 2**31 elements: element offsets, chunk starts and loop indices must be 64-bit. bfloat16
+# keeps each buffer at 4 GiB (about 17 GiB in all on the GPU).
+BIG = 2**31 + 4099
+
+
+def _needs(gib: float) -> None:
+    free, _ = torch.cuda.mem_get_info()
+    if free < gib * 2**30:
+        pytest.skip(f"needs {gib} GiB of free GPU memory")
+
+
+def _edges(n: int) -> list[slice]:
+    """Where 32-bit arithmetic would go wrong: the start, around 2**31, the end."""
+    return [slice(0, 4096), slice(2**31 - 2048, 2**31 + 2048), slice(n - 4096, n)]
+
+
+def test_flatten_and_unflatten_past_2_31_elements():
+    """A bucket of more than 2**31 elements (4 GiB of bfloat16) from two tensors, the second
+    starting past 2**30 and ending past 2**31, and back: values at the start, around 2**31 and
+    at the end where they belong."""
+    _needs(17)
+    first = 2**30 + 3
+    a = torch.arange(first, device="cuda").remainder_(251).bfloat16()
+    b = torch.arange(BIG - first, device="cuda").remainder_(241).bfloat16()
+    flat = torch.full((BIG,), -1.0, dtype=torch.bfloat16, device="cuda")
+    ops.flatten_into([a, b], flat)
+    for cut in _edges(BIG):
+        idx = torch.arange(cut.start, cut.stop, device="cuda")
+        want = torch.where(idx < first, idx % 251, (idx - first) % 241).bfloat16()
+        assert torch.equal(flat[cut], want), cut
+    a2, b2 = torch.empty_like(a), torch.empty_like(b)
+    ops.unflatten_from(flat, [a2, b2])
+    assert torch.equal(a2, a) and torch.equal(b2, b)
+
+
+def test_adamw_past_2_31_elements_matches_the_cpu_kernel():
+    """One AdamW step over a bfloat16 parameter of more than 2**31 elements: the elements at
+    the start, around 2**31 and at the end equal the CPU kernel's on the same values."""
+    _needs(17)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    p = torch.randn(BIG, device="cuda", dtype=torch.bfloat16, generator=gen)
+    g = torch.randn(BIG, device="cuda", dtype=torch.bfloat16, generator=gen)
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    cuts = _edges(BIG)
+    cpu = [[t[c].cpu() for c in cuts] for t in (p, g, m, v)]
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1)
+    ops.adamw_step_([p], [g], [m], [v], **hyper)
+    ops.adamw_step_(*cpu, **hyper)
+    for k, cut in enumerate(cuts):
+        for ours, theirs in ((p, cpu[0][k]), (m, cpu[2][k]), (v, cpu[3][k])):
+            assert torch.equal(ours[cut].cpu(), theirs), cut
