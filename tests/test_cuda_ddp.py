@@ -594,6 +594,23 @@ def test_offload_pins_only_staging_buffers() -> None:
     run_ranks(1, _pinned_staging_only, backend="nccl")
 
 
+def _offload_gpu_lr(rank: int, world_size: int) -> None:
+    """offload_to_cpu's host steps read the learning rate in host memory: a tensor lr on the
+    GPU (which they could read only by synchronizing at every forward) is refused at
+    construction, naming lr."""
+    lr = torch.tensor(1e-3, device="cuda")
+    with pytest.raises(ValueError, match="tensor lr must be on the CPU"):
+        leanddp.DistributedDataParallel(
+            Net(rank=rank, f64=False).cuda(),
+            optimizer_in_backward=functools.partial(torch.optim.AdamW, lr=lr),
+            offload_to_cpu=True,
+        )
+
+
+def test_offload_refuses_a_gpu_tensor_lr() -> None:
+    run_ranks(1, _offload_gpu_lr, backend="nccl")
+
+
 def _tutorial_pattern(rank: int, world_size: int) -> None:
     """torch's DDP tutorial: ``model.to(rank)``, ``device_ids=[rank]``, no
     ``torch.cuda.set_device``; every rank keeps cuda:0 current. Trains equal to torch's DDP."""
