@@ -230,7 +230,8 @@ def _nan_check(rank: int, world_size: int) -> None:
 
     _C._set_host_ordering(True)  # (torch's DDP beside ours is not affected)
     before = _C._host_ordering_counts()
-    for config, check, accum in (("in_backward", True, 1), ("offload", True, 2)):
+    cases = (("in_backward", True, 1), ("in_backward", "strict", 2), ("offload", True, 2))
+    for config, check, accum in cases:
         _nan_step(rank, world_size, config, check, accum)
     _counts_moved(before, "NaN check", "records", "blocks")
 
@@ -238,5 +239,21 @@ def _nan_check(rank: int, world_size: int) -> None:
 def test_nan_check_flags_on_the_side_stream() -> None:
     """check_for_nan_in_grad with in-backward steps and with offload_to_cpu: each bucket's
     flags are set on the side stream, read once at the end of backward (offload's host steps
-    are held until then, and dropped on a NaN)."""
+    are held until then, and dropped on a NaN); strict: buckets collected on the caller's
+    stream at the end of backward, the side stream following that stream."""
     run_ranks(2, _nan_check)
+
+
+def _sparse(rank: int, world_size: int) -> None:
+    from test_sparse import Case, _parity_case
+
+    _C._set_host_ordering(True)  # (torch's DDP beside ours is not affected)
+    _parity_case(rank, world_size, Case(comm_hook=True, accum=2))
+
+
+def test_sparse_bucket_with_a_comm_hook() -> None:
+    """A sparse gradient's bucket reduced by a comm hook under device order, against torch's
+    DDP: the current stream follows the default stream the hook's result was completed on
+    (both are the host's one stream here, as a backward on the default stream has them on a
+    GPU: the wait is a no-op either way, so no count shows it)."""
+    run_ranks(2, _sparse)
