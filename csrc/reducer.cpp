@@ -474,14 +474,8 @@ void Reducer::finalize() {
       finish_gathers();
       // The caller's stream (where the loop goes on after backward) sees the stepped weights;
       // the host does not wait. offload_to_cpu: the next forward waits for the host steps.
-      if (offload_) {
-        if (nan_flags_armed_ && window_.device_ordered()) {
-          // the flags were set on the device-to-host stream, the side stream of offload_to_cpu
-          stream_wait(current_stream(params_.front().device()), side_stream(), *events_);
-        }
-      } else if (step_stream_) {
-        stream_wait(current_stream(params_.front().device()), *step_stream_, *events_);
-      }
+      // (with offload only for the NaN check's flags, set on its device-to-host stream)
+      if (!offload_ || nan_flags_armed_) follow_side_stream();
       read_nan_flags();  // (device NaN check: after the wait, on the caller's stream)
       if (nan_bucket_ >= 0) raise_nonfinite(used);
       if (offload_ && options_.shard_optimizer_state) {

@@ -339,6 +339,9 @@ class Reducer {
   void step_bucket(size_t index, const std::vector<int32_t>* used);
   // GPU: the stream buckets are stepped on (HostOffload's device-to-host stream with offload).
   c10::Stream side_stream() const;
+  // GPU, optimizer_in_backward: the current stream waits for the work queued so far on the side
+  // stream (the host does not wait); nothing otherwise.
+  void follow_side_stream() const;
   void ensure_allocated(size_t bucket_index);
   // Raises peak_bucket_bytes_ to what is held now: buckets allocated, released ones whose device
   // work may still run, and recycled storage.

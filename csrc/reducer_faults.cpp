@@ -51,9 +51,7 @@ bool Reducer::abandon_iteration(bool step_launched) {
   if (comm_hook_) comm_hook_->reset();
   if (nan_flags_armed_) {
     try {  // the device NaN check: the counts of the steps its flags skipped go back
-      if (window_.device_ordered()) {  // (the flags were set on the side stream)
-        stream_wait(current_stream(params_.front().device()), side_stream(), *events_);
-      }
+      follow_side_stream();  // (the flags were set on the side stream)
       read_nan_flags();
     } catch (...) {
       ok = false;

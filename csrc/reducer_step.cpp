@@ -32,6 +32,12 @@ c10::Stream Reducer::side_stream() const {
   return offload_ ? offload_->d2h_stream() : *step_stream_;
 }
 
+void Reducer::follow_side_stream() const {
+  // (only in-backward steps on a device queue work on a side stream)
+  if (!window_.device_ordered() || !options_.step_in_backward) return;
+  stream_wait(current_stream(params_.front().device()), side_stream(), *events_);
+}
+
 void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
   // GPU: everything below is queued on the side stream, behind this bucket's gradients and its
   // reduction; the host waits for neither (NCCL's wait and a CUDA future's wait make the
@@ -214,8 +220,8 @@ OffloadStats Reducer::offload_stats() const {
 void Reducer::wait_idle(bool host_too, bool order_device) const {
   if (offload_) {
     offload_->wait(host_too);
-  } else if (step_stream_ && order_device) {
-    stream_wait(current_stream(params_.front().device()), *step_stream_, *events_);
+  } else if (order_device) {
+    follow_side_stream();
   }
 }
 
