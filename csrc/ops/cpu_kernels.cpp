@@ -3,25 +3,49 @@
 
 #include <ATen/OpMathType.h>
 
+#if defined(LEANDDP_X86_DISPATCH)
+#include <immintrin.h>
+#endif
+
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
 namespace leanddp::ops {
 
+// The baseline has FMA where the architecture always does (AArch64) or the build enables it;
+// x86-64's does not (torch's DEFAULT capability computes its multiply-adds unfused there too).
+#if defined(__aarch64__) || defined(__FMA__)
+#define LEANDDP_BASELINE_FMA true
+#else
+#define LEANDDP_BASELINE_FMA false
+#endif
+
 namespace isa_baseline {
 #define LEANDDP_ISA_ATTR
+#define LEANDDP_ISA_FMA LEANDDP_BASELINE_FMA
+#define LEANDDP_ISA_F16C 0
 #include "cpu_loops.h"
+#undef LEANDDP_ISA_F16C
+#undef LEANDDP_ISA_FMA
 #undef LEANDDP_ISA_ATTR
 }  // namespace isa_baseline
 
 #if defined(LEANDDP_X86_DISPATCH) && (defined(__GNUC__) || defined(__clang__))
 namespace isa_avx2 {
 #define LEANDDP_ISA_ATTR __attribute__((target("avx2,fma,f16c")))
+#define LEANDDP_ISA_FMA true
+#define LEANDDP_ISA_F16C 256
 #include "cpu_loops.h"
+#undef LEANDDP_ISA_F16C
+#undef LEANDDP_ISA_FMA
 #undef LEANDDP_ISA_ATTR
 }  // namespace isa_avx2
 
+// GCC 12 warns inside its own AVX-512 conversion intrinsics (their deliberately undefined
+// passthrough operand), at every use.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 namespace isa_avx512 {
 #if defined(__clang__)
 #define LEANDDP_ISA_ATTR __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
@@ -29,9 +53,14 @@ namespace isa_avx512 {
 #define LEANDDP_ISA_ATTR \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c,prefer-vector-width=512")))
 #endif
+#define LEANDDP_ISA_FMA true
+#define LEANDDP_ISA_F16C 512
 #include "cpu_loops.h"
+#undef LEANDDP_ISA_F16C
+#undef LEANDDP_ISA_FMA
 #undef LEANDDP_ISA_ATTR
 }  // namespace isa_avx512
+#pragma GCC diagnostic pop
 #endif
 
 namespace {

@@ -13,7 +13,9 @@ namespace leanddp::ops {
 
 struct CpuLoops {
   const char* name;  // "avx512", "avx2" or "baseline"
-  void (*adam)(float* p, const float* g, float* m, float* v, int64_t n, const AdamConsts& c);
+  // Elements [tail, n) of the n take torch's tail arithmetic (optim_math.h's kTail).
+  void (*adam)(float* p, const float* g, float* m, float* v, int64_t n, int64_t tail,
+               const AdamConsts& c);
   // buf == nullptr: SGD without momentum.
   void (*sgd)(float* p, const float* g, float* buf, int64_t n, const SgdConsts& c);
   void (*bf16_to_float)(const c10::BFloat16* src, float* dst, int64_t n);

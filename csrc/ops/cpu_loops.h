@@ -1,19 +1,44 @@
 // Inner loops of the CPU kernels, written once and compiled once per instruction set.
 //
 // cpu_kernels.cpp includes this file several times, each time inside its own namespace and with
-// LEANDDP_ISA_ATTR set to that instruction set's function attribute (empty for the baseline), so
+// LEANDDP_ISA_ATTR set to that instruction set's function attribute (empty for the baseline) and
+// LEANDDP_ISA_FMA to whether it has fused multiply-add (optim_math.h's kFma) and LEANDDP_ISA_F16C
+// to the width of its fp16 conversions (0: none, 256 or 512 bits), so
 // the compiler vectorizes the same source for SSE2, AVX2 and AVX-512; the widest one the CPU
 // supports is picked once at load time. No include guard, on purpose. Every loop takes
 // __restrict pointers: callers pass non-overlapping ranges (the ops check this).
 
+// The constants are copied first: read through the reference, they could alias the float
+// arrays the loop writes, and the compiler would reload them every element and not vectorize.
+// Elements from `tail` on take torch's tail arithmetic (optim_math.h), a few at most.
+template <bool kL2, bool kLerpSmall>
+LEANDDP_ISA_ATTR void adam_loop(float* __restrict p, const float* __restrict g, float* __restrict m,
+                                float* __restrict v, int64_t n, int64_t tail,
+                                const AdamConsts& consts) {
+  const AdamConsts c = consts;
+  for (int64_t i = 0; i < tail; ++i) {
+    adam_update<LEANDDP_ISA_FMA, kL2, kLerpSmall>(p[i], g[i], m[i], v[i], c);
+  }
+  for (int64_t i = tail; i < n; ++i) {
+    adam_update<LEANDDP_ISA_FMA, kL2, kLerpSmall, /*kTail=*/true>(p[i], g[i], m[i], v[i], c);
+  }
+}
+
 LEANDDP_ISA_ATTR void adam_block(float* __restrict p, const float* __restrict g,
-                                 float* __restrict m, float* __restrict v, int64_t n,
+                                 float* __restrict m, float* __restrict v, int64_t n, int64_t tail,
                                  const AdamConsts& c) {
-  for (int64_t i = 0; i < n; ++i) adam_update(p[i], g[i], m[i], v[i], c);
+  if (c.use_l2) {
+    c.lerp_small ? adam_loop<true, true>(p, g, m, v, n, tail, c)
+                 : adam_loop<true, false>(p, g, m, v, n, tail, c);
+  } else {
+    c.lerp_small ? adam_loop<false, true>(p, g, m, v, n, tail, c)
+                 : adam_loop<false, false>(p, g, m, v, n, tail, c);
+  }
 }
 
 LEANDDP_ISA_ATTR void sgd_block(float* __restrict p, const float* __restrict g,
-                                float* __restrict buf, int64_t n, const SgdConsts& c) {
+                                float* __restrict buf, int64_t n, const SgdConsts& consts) {
+  const SgdConsts c = consts;  // (as in adam_loop)
   if (buf == nullptr) {
     for (int64_t i = 0; i < n; ++i) sgd_update<false>(p[i], g[i], nullptr, c);
   } else {
@@ -25,6 +50,46 @@ template <typename From, typename To>
 LEANDDP_ISA_ATTR void convert_block(const From* __restrict src, To* __restrict dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<To>(static_cast<float>(src[i]));
 }
+
+#if LEANDDP_ISA_F16C
+// fp16: c10::Half's portable conversion branches per element and does not vectorize; F16C's
+// packed converts do, with the same results (exact widening; rounding to nearest even).
+#if LEANDDP_ISA_F16C == 512
+constexpr int64_t kHalfLanes = 16;
+#define LEANDDP_LOAD_PH(p) _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
+#define LEANDDP_STORE_PH(p, x) \
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
+#define LEANDDP_LOAD_PS _mm512_loadu_ps
+#define LEANDDP_STORE_PS _mm512_storeu_ps
+#else
+constexpr int64_t kHalfLanes = 8;
+#define LEANDDP_LOAD_PH(p) _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
+#define LEANDDP_STORE_PH(p, x) \
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
+#define LEANDDP_LOAD_PS _mm256_loadu_ps
+#define LEANDDP_STORE_PS _mm256_storeu_ps
+#endif
+
+template <>
+LEANDDP_ISA_ATTR void convert_block<c10::Half, float>(const c10::Half* __restrict src,
+                                                      float* __restrict dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + kHalfLanes <= n; i += kHalfLanes) LEANDDP_STORE_PS(dst + i, LEANDDP_LOAD_PH(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+LEANDDP_ISA_ATTR void convert_block<float, c10::Half>(const float* __restrict src,
+                                                      c10::Half* __restrict dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + kHalfLanes <= n; i += kHalfLanes) LEANDDP_STORE_PH(dst + i, LEANDDP_LOAD_PS(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
+}
+#undef LEANDDP_LOAD_PH
+#undef LEANDDP_STORE_PH
+#undef LEANDDP_LOAD_PS
+#undef LEANDDP_STORE_PS
+#endif
 
 template <typename T>
 LEANDDP_ISA_ATTR void scale_block(const T* src, T* dst, int64_t n, double scale) {

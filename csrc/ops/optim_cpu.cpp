@@ -12,6 +12,7 @@
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <algorithm>
 
 namespace leanddp::ops {
 namespace {
@@ -49,9 +50,10 @@ std::vector<void*> ptrs(at::TensorList list) {
   return out;
 }
 
-// Runs step(tensor, p, g, s0, s1, n) for every block of every tensor, in parallel, on floats
-// (s0/s1: the block of state lists 0 and 1, nullptr if absent); bf16/fp16 parameters and state
-// are rounded back after the step, and param_copy is refreshed from the updated block.
+// Runs step(tensor, first, p, g, s0, s1, n) for every block of every tensor, in parallel, on
+// floats (`first`: the block's first element in its tensor; s0/s1: the block of state lists 0
+// and 1, nullptr if absent); bf16/fp16 parameters and state are rounded back after the step, and
+// param_copy is refreshed from the updated block.
 template <typename Step>
 void for_each_block(at::TensorList params, at::TensorList grads, at::TensorList state0,
                     at::TensorList state1, at::TensorList param_copy, const Step& step) {
@@ -89,7 +91,7 @@ void for_each_block(at::TensorList params, at::TensorList grads, at::TensorList 
       float* p = as_float(param_dtype, p_ptr[t], b, nb, buf.p);
       float* s0 = s0_ptr.empty() ? nullptr : as_float(param_dtype, s0_ptr[t], b, nb, buf.s0);
       float* s1 = s1_ptr.empty() ? nullptr : as_float(param_dtype, s1_ptr[t], b, nb, buf.s1);
-      step(t, p, g, s0, s1, nb);
+      step(t, b, p, g, s0, s1, nb);
       if (low) {
         store_low(param_dtype, p, p_ptr[t], b, nb);
         if (s0) store_low(param_dtype, s0, s0_ptr[t], b, nb);
@@ -130,11 +132,21 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
     apply_scalars(per_tensor[i], ptrs, state_steps[i].const_data_ptr<float>());
   }
   apply_scalars(consts, ptrs, nullptr);
-  const auto adam = cpu_loops().adam;
-  for_each_block(params, grads, exp_avg, exp_avg_sq, param_copy,
-                 [&](int32_t t, float* p, const float* g, float* m, float* v, int64_t n) {
-                   adam(p, g, m, v, n, per_tensor.empty() ? consts : per_tensor[t]);
-                 });
+  const auto& loops = cpu_loops();
+  // Where each tensor's tail starts: torch's kernel steps whole 32-byte vectors of the
+  // parameters' dtype with its vector arithmetic (AVX2; with AVX-512 its 64-byte vectors, then
+  // its compiler vectorizes the scalar loop 32 bytes at a time), the rest in its scalar loop.
+  const int64_t width = 32 / static_cast<int64_t>(params[0].element_size());
+  std::vector<int64_t> tail(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    tail[i] = params[i].numel() - params[i].numel() % width;
+  }
+  for_each_block(
+      params, grads, exp_avg, exp_avg_sq, param_copy,
+      [&](int32_t t, int64_t first, float* p, const float* g, float* m, float* v, int64_t n) {
+        const int64_t from = std::clamp<int64_t>(tail[t] - first, 0, n);
+        loops.adam(p, g, m, v, n, from, per_tensor.empty() ? consts : per_tensor[t]);
+      });
 }
 
 void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
@@ -152,7 +164,7 @@ void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList mo
   apply_scalars(consts, scalar_ptrs(scalars));
   const auto sgd = cpu_loops().sgd;
   for_each_block(params, grads, momentum_buffer, {}, param_copy,
-                 [&](int32_t, float* p, const float* g, float* buf, float*, int64_t n) {
+                 [&](int32_t, int64_t, float* p, const float* g, float* buf, float*, int64_t n) {
                    sgd(p, g, buf, n, consts);
                  });
 }

@@ -9,7 +9,13 @@
 // so results agree with torch to float rounding, and float32, bfloat16 and float16 Adam(W) are
 // bitwise equal to torch's fused CPU kernel in practice. Both backends compile this without any
 // other FMA contraction (-ffp-contract=off, nvcc --fmad=false), with IEEE sqrt and division, so
-// the CPU and CUDA kernels give bit-identical results.
+// the CPU kernels of instruction sets with FMA and the CUDA kernels give bit-identical results.
+// An instruction set without FMA (x86-64's baseline) takes kFma = false: each multiply-add is a
+// multiply then an add, as torch's own kernel computes it there (its DEFAULT capability), and the
+// loop still vectorizes (a software fmaf would not).
+//
+// The update is a template on what the loop must not branch on (the weight decay's form, the
+// lerp's form), so a CPU loop over it has no control flow and vectorizes.
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -108,21 +114,58 @@ inline AdamConsts make_adam_consts(double lr, double beta1, double beta2, double
   return c;
 }
 
-// One element: p, m, v updated in place from gradient g.
+// a * b + c: one fused multiply-add (kFma), or a multiply then an add.
+template <bool kFma>
+C10_HOST_DEVICE inline float madd(float a, float b, float c) {
+  if constexpr (kFma) {
+    return fmaf(a, b, c);
+  } else {
+    return a * b + c;  // (not contracted: -ffp-contract=off)
+  }
+}
+
+// One element: p, m, v updated in place from gradient g. kL2: Adam with weight decay
+// (c.use_l2); kLerpSmall: c.lerp_small. kTail: the last numel % 8 elements of a float tensor
+// (% 16 of a 16-bit one), which torch's CPU kernel steps in a scalar loop where its build fuses
+// the second moment's other product (measured against torch's DEFAULT, AVX2 and AVX-512 kernels:
+// tests/test_cpu_isa.py).
+template <bool kFma, bool kL2, bool kLerpSmall, bool kTail = false>
 C10_HOST_DEVICE inline void adam_update(float& p, float g, float& m, float& v,
                                         const AdamConsts& c) {
-  g = g * c.grad_mul / c.amp_scale;     // torch's fused kernels: grad / grad_scale (exact for 1)
-  g = c.use_l2 ? fmaf(p, c.l2, g) : g;  // torch: grad.add(param, alpha=weight_decay)
-  p = p * c.decay_mul;                  // torch: param.mul_(1 - lr * weight_decay)
-  // torch: exp_avg.lerp_(grad, 1 - beta1) in both of lerp's forms, each one fused multiply-add
-  // as torch's vectorized CPU lerp and fused Adam compute it (fmaf: the same bits on CUDA).
+  g = g * c.grad_mul / c.amp_scale;  // torch's fused kernels: grad / grad_scale (exact for 1)
+  if constexpr (kL2) g = madd<kFma>(p, c.l2, g);  // torch: grad.add(param, alpha=weight_decay)
+  p = p * c.decay_mul;                            // torch: param.mul_(1 - lr * weight_decay)
+  // torch: exp_avg.lerp_(grad, 1 - beta1) in both of lerp's forms, each one multiply-add as
+  // torch's vectorized CPU lerp and fused Adam compute it (fmaf: the same bits on CUDA).
   const float diff = g - m;
-  m = c.lerp_small ? fmaf(c.lerp_w, diff, m) : fmaf(-c.lerp_w_comp, diff, g);
+  if constexpr (kLerpSmall) {
+    m = madd<kFma>(c.lerp_w, diff, m);
+  } else {
+    m = madd<kFma>(-c.lerp_w_comp, diff, g);
+  }
   // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2), with the multiply-add torch's CPU build
   // fuses it into
-  v = fmaf(c.one_minus_beta2 * g, g, v * c.beta2);
+  if constexpr (kTail) {
+    v = madd<kFma>(v, c.beta2, c.one_minus_beta2 * g * g);
+  } else {
+    v = madd<kFma>(c.one_minus_beta2 * g, g, v * c.beta2);
+  }
   const float denom = sqrtf(v) / c.bc2_sqrt + c.eps;  // (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
   p = p + c.neg_step_size * m / denom;  // torch's fused Adam: param - step_size * exp_avg / denom
+}
+
+// adam_update for the forms `c` holds, chosen per element: for a GPU thread, whose branch is
+// uniform; a CPU loop picks the instance once instead (cpu_loops.h).
+template <bool kFma>
+C10_HOST_DEVICE inline void adam_update_any(float& p, float g, float& m, float& v,
+                                            const AdamConsts& c) {
+  if (c.use_l2) {
+    c.lerp_small ? adam_update<kFma, true, true>(p, g, m, v, c)
+                 : adam_update<kFma, true, false>(p, g, m, v, c);
+  } else {
+    c.lerp_small ? adam_update<kFma, false, true>(p, g, m, v, c)
+                 : adam_update<kFma, false, false>(p, g, m, v, c);
+  }
 }
 
 // SGD with optional momentum, dampening, Nesterov and L2 weight decay.

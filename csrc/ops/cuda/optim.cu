@@ -41,7 +41,7 @@ struct AdamRule {
   static constexpr int kStates = 2;
   AdamConsts c;
   __device__ __forceinline__ void operator()(float& p, float g, float& s0, float& s1) const {
-    adam_update(p, g, s0, s1, c);
+    adam_update_any</*kFma=*/true>(p, g, s0, s1, c);
   }
   __device__ __forceinline__ void prepare(const Scalars& s, const OptimTensor& t) {
     apply_scalars(c, s.apply, t.step);
