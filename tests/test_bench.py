@@ -100,6 +100,15 @@ def test_bench_runs_every_configuration_with_accumulation(tmp_path: Path) -> Non
         total = m["parameters"] + m["gradients"] + m["buckets"] + m["optimizer_device"]
         assert float(row.split("|")[column]) == round(total / report["params"], 1), name
         assert len(r["step_times"]) == 1 and r["step_seconds"] == r["step_times"][0]
+        # each leanddp configuration alternated a step with torch's DDP in its own processes
+        versus = header.split("|").index(" vs torch DDP ")
+        if name == "torch DDP":
+            assert r["interleaved"] is None and row.split("|")[versus].strip() == "1.000"
+        else:
+            v = r["interleaved"]
+            assert len(v["ours"]) == len(v["torch"]) == 1 and min(v["ours"] + v["torch"]) > 0
+            assert v["ratio"] == v["ours"][0] / v["torch"][0], name
+            assert row.split("|")[versus].strip() == f"{v['ratio']:.3f}", name
     assert 20 <= device_bytes_per_param(runs["torch DDP"], report["params"]) < 20.01
     assert device_bytes_per_param(runs["leanddp + offload_to_cpu"], report["params"]) < 10
     assert (out / "bench.png").stat().st_size > 10_000
@@ -118,7 +127,9 @@ def test_bench_without_accumulation_frees_gradients_in_backward(tmp_path: Path) 
     assert memory["parameters"] == 4 * report["params"]
     # stepped and released bucket by bucket: never all buckets at once
     assert 0 < memory["buckets"] < memory["parameters"]
-    assert "vs torch DDP" in done.stdout  # no torch run to compare with: the ratio is left out
+    # torch's DDP was not a configuration: the ratio comes from the steps interleaved with it
+    ratio = report["runs"][0]["interleaved"]["ratio"]
+    assert ratio > 0 and f"| {ratio:.3f} |" in done.stdout
 
 
 def test_bench_rejects_bad_arguments_before_launching(capsys: pytest.CaptureFixture) -> None:

@@ -3,7 +3,9 @@
 Trains the benchmark model for ``--warmup`` + ``--steps`` steps of ``--accum`` micro-batches
 each (the first ``accum - 1`` under ``no_sync()``, every micro-batch loss divided by ``accum``,
 so every configuration takes the same steps), then one more step with probes that measure
-memory by category. Rank 0 writes the result as JSON to ``--result``.
+memory by category; a leanddp configuration then alternates ``--steps`` steps with torch's
+DDP + AdamW(fused=True) on the same model and data, for its step time against torch's measured
+in the same processes. Rank 0 writes the result as JSON to ``--result``.
 """
 
 from __future__ import annotations
@@ -164,6 +166,44 @@ def measure(name: str, ddp: nn.Module, opt, batch: torch.Tensor, accum: int) -> 
     return out
 
 
+def timed_step(ddp: nn.Module, opt, batch: torch.Tensor, accum: int, device: torch.device) -> float:
+    """Seconds of one training step, its device work and (offload_to_cpu) its host step
+    included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    train_step(ddp, opt, batch, accum)
+    if isinstance(ddp, leanddp.DistributedDataParallel):
+        ddp.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def interleaved(
+    args: argparse.Namespace, ddp: nn.Module, opt, data: list[torch.Tensor], device: torch.device
+) -> dict:
+    """This configuration's steps alternating with torch's DDP + AdamW(fused=True) on the same
+    model and data, in the same processes (one step of each per round, which goes first
+    alternating), so both see the same machine at the same moments: the step time ratio
+    against torch's DDP, free of the drift between separate launches."""
+    torch.manual_seed(0)
+    model = TinyGPT(SIZES[args.model]).to(device=device, dtype=DTYPES[args.dtype])
+    ref, ref_opt = build("torch DDP", model, args, device)
+    contenders = [(ddp, opt), (ref, ref_opt)]
+    times: list[list[float]] = [[], []]
+    for i in range(1 + args.steps):  # round 0 warms torch's side up, untimed
+        batch = data[i % len(data)]
+        for k in (0, 1) if i % 2 == 0 else (1, 0):
+            seconds = timed_step(*contenders[k], batch, args.accum, device)
+            if i > 0:
+                times[k].append(seconds)
+        if (i + 1) % max(1, (1 + args.steps) // 2) == 0:
+            log(f"interleaved with torch DDP: round {i + 1}/{1 + args.steps}")
+    ours, torch_ddp = (statistics.median(t) for t in times)
+    return dict(ours=times[0], torch=times[1], ratio=ours / torch_ddp)
+
+
 def rss_bytes() -> int:
     """This process's resident memory now (Linux)."""
     with open("/proc/self/statm") as f:
@@ -219,6 +259,12 @@ def run(args: argparse.Namespace) -> dict:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_mem
     memory = measure(args.config, ddp, opt, data[0], args.accum)
     memory["peak_process"] = peak
+    # (after the memory is measured: torch's side adds its own)
+    versus = (
+        None
+        if CONFIGS[args.config].wrapper == "torch"
+        else interleaved(args, ddp, opt, data, device)
+    )
     result = dict(
         config=args.config,
         accum=args.accum,
@@ -227,6 +273,7 @@ def run(args: argparse.Namespace) -> dict:
         losses=[float(x) for x in torch.stack(losses).cpu()],
         memory=memory,
         host_step=host,
+        interleaved=versus,
         world_size=dist.get_world_size(),
         backend=dist.get_backend(),
     )
