@@ -1,5 +1,6 @@
-"""Shared test setup: fresh random data every run (seed in the report header, replayable with
-LEANDDP_TEST_SEED=<seed>), and the `device` parameter: cpu, and cuda unless no GPU is visible."""
+"""Shared test setup: fresh random data every run (seed in the report header, and after a
+failure at the end, replayable with LEANDDP_TEST_SEED=<seed>), and the `device` parameter: cpu,
+and cuda unless no GPU is visible."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ DEVICES = [
 
 def pytest_report_header(config):
     return f"leanddp: LEANDDP_TEST_SEED={BASE_SEED} build_info={leanddp.build_info()}"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The seed again at the end, where a log cut to its tail still shows it."""
+    if exitstatus != 0:
+        terminalreporter.write_line(f"replay with LEANDDP_TEST_SEED={BASE_SEED}")
 
 
 @pytest.fixture(autouse=True)

@@ -50,6 +50,20 @@ OPTIMIZERS: dict[str, Factory] = {
 }
 
 
+def reference_optimizer(factory: Factory, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """``factory(params)`` for torch's side of a comparison; Adam(W) on the CPU with torch's
+    fused kernel, which leanddp's kernels equal bit for bit. torch's default (single-tensor)
+    path differs from it in the last bits, and Adam makes a step of up to lr out of a last-bit
+    difference where a gradient is rounding noise: Net's enc.bias where a ReLU unit is active on
+    the whole batch, whose gradient BatchNorm makes zero in exact arithmetic."""
+    opt = factory(params)
+    cpu = all(p.device.type == "cpu" for g in opt.param_groups for p in g["params"])
+    if type(opt) in (torch.optim.Adam, torch.optim.AdamW) and cpu and not opt.state:
+        for group in [*opt.param_groups, opt.defaults]:  # (read at each step)
+            group.update(fused=True, foreach=False)
+    return opt
+
+
 class Deep(nn.Module):
     """Twelve equal ``width`` x ``width`` layers: with a bucket cap of one layer's bytes
     (``LAYER_BYTES`` at the default width), one bucket per layer."""
@@ -93,7 +107,7 @@ class InBackwardLockStep:
         self.ref = torch.nn.parallel.DistributedDataParallel(
             copy.deepcopy(model), process_group=dist.new_group(), **ddp_kwargs
         )
-        self.ref_opt = factory(self.ref.module.parameters())
+        self.ref_opt = reference_optimizer(factory, self.ref.module.parameters())
         self.ours = leanddp.DistributedDataParallel(
             copy.deepcopy(model),
             process_group=dist.new_group(),

@@ -18,6 +18,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+from in_backward_models import reference_optimizer
 from torch import nn
 
 import leanddp
@@ -292,7 +293,9 @@ def run_example(spec: Spec, rank: int, groups: tuple[dist.ProcessGroup, dist.Pro
     ref = torch.nn.parallel.DistributedDataParallel(
         copy.deepcopy(model), process_group=groups[0], **kwargs
     )
-    ref_opt = factory(ref.module.parameters())
+    # (in-backward: torch's fused Adam(W), which leanddp's kernels equal bit for bit)
+    params = ref.module.parameters()
+    ref_opt = reference_optimizer(factory, params) if spec.in_backward else factory(params)
     if spec.in_backward:
         ours = leanddp.DistributedDataParallel(
             copy.deepcopy(model),
