@@ -1,7 +1,7 @@
 """Benchmark the host (CPU) optimizer step: leanddp's fused AdamW against torch's and DeepSpeed's.
 
     python benchmarks/bench_host_step.py [--numel N] [--layout flat|tensors] [--rounds N]
-                                         [--threads N] [--json PATH]
+                                         [--threads N] [--json PATH] [--variants]
 
 One AdamW step (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01) over --numel float32
 parameters on the CPU, either one flat tensor or a transformer-like list (an embedding, then
@@ -28,6 +28,8 @@ more than they are credited with. Bytes per parameter:
   copy_:                   read 4 B + write 4 B                                    =  8 B
 Writes also cost a read-for-ownership unless stored non-temporally, so "of copy" can exceed 100%.
 "vs anchor" is the anchor's median time over the row's (above 1 is faster).
+--variants adds a table of the other kernel variants, each against torch's fused kernel on the
+same data (torch._fused_adam_/_fused_adamw_/_fused_sgd_), the pair alternating round by round.
 Progress goes to stderr, a markdown table to stdout, and with --json the rows and environment.
 """
 
@@ -168,6 +170,90 @@ def contenders(shapes: list[tuple[int, ...]], deepspeed: bool) -> list[Contender
     return rows
 
 
+def variant_pairs(shapes: list[tuple[int, ...]]) -> list[tuple[str, Step, Step]]:
+    """(variant, leanddp's step, torch's fused step) over the same data, each with its own
+    tensors: Adam's L2 form, bf16 and fp16 parameters (and state), a tensor lr with GradScaler's
+    scale and found_inf (scale 1, nothing found: every step runs; torch writes the unscaled
+    gradients back, an extra pass leanddp does not make), and SGD with and without momentum."""
+    sizes = [math.prod(s) for s in shapes]
+
+    def lists(dtype: torch.dtype, scale: float = 1.0, count: int = 4) -> list[list[torch.Tensor]]:
+        return [
+            [(torch.randn(n) * scale).to(dtype) if k < 2 else torch.zeros(n, dtype=dtype)
+             for n in sizes]
+            for k in range(count)
+        ]  # fmt: skip
+
+    def adam_pair(dtype: torch.dtype, decoupled: bool, scalars: bool) -> tuple[Step, Step]:
+        ours, ref = lists(dtype), lists(dtype)
+        steps = [torch.zeros(()) for _ in sizes]
+        extra = {}
+        if scalars:
+            extra = dict(amp_scale=torch.ones(()), found_inf=torch.zeros(()))
+        lr = torch.tensor(LR) if scalars else LR
+        counter = [0]
+        ours_op = ops.adamw_step_ if decoupled else ops.adam_step_
+        ref_op = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        hyper = {**HYPER, "lr": lr}
+
+        def run_ours() -> None:
+            counter[0] += 1
+            ours_op(*ours, step=counter[0], **hyper, **extra)
+
+        def run_ref() -> None:
+            torch._foreach_add_(steps, 1)
+            ref_op(
+                *ref, [], steps, amsgrad=False, maximize=False, **hyper,
+                grad_scale=extra.get("amp_scale"), found_inf=extra.get("found_inf"),
+            )  # fmt: skip
+
+        return run_ours, run_ref
+
+    def sgd_pair(momentum: float, dtype: torch.dtype = torch.float32) -> tuple[Step, Step]:
+        ours, ref = lists(dtype, count=3), lists(dtype, count=3)
+        first = [True, True]
+        sgd = dict(lr=LR, momentum=momentum, dampening=0.0, nesterov=False, weight_decay=WD)
+
+        def run_ours() -> None:
+            ops.sgd_step_(*ours[:2], ours[2] if momentum else None, first_step=first[0], **sgd)
+            first[0] = False
+
+        def run_ref() -> None:
+            torch._fused_sgd_(
+                *ref[:2], ref[2] if momentum else [], maximize=False, is_first_step=first[1],
+                **sgd,
+            )  # fmt: skip
+            first[1] = False
+
+        return run_ours, run_ref
+
+    pairs = [
+        ("Adam (L2 weight decay), fp32", *adam_pair(torch.float32, False, False)),
+        ("AdamW, bf16 parameters and state", *adam_pair(torch.bfloat16, True, False)),
+        ("AdamW, fp16 parameters and state", *adam_pair(torch.float16, True, False)),
+        ("AdamW, fp32, tensor lr + amp scale + found_inf", *adam_pair(torch.float32, True, True)),
+        ("SGD momentum 0.9, fp32", *sgd_pair(0.9)),
+        ("SGD without momentum, fp32", *sgd_pair(0.0)),
+        ("SGD momentum 0.9, bf16 parameters and state", *sgd_pair(0.9, torch.bfloat16)),
+        ("SGD momentum 0.9, fp16 parameters and state", *sgd_pair(0.9, torch.float16)),
+    ]
+    return pairs
+
+
+def variants_markdown(pairs: list[tuple[str, Step, Step]], rounds: int) -> str:
+    """Each variant's pair timed alternately; a table of medians and ratios."""
+    lines = [
+        "| variant | leanddp (ms) | torch fused (ms) | vs torch fused |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, ours, ref in pairs:
+        log(f"variant: {name}")
+        times = measure([("leanddp", 0, ours, ""), ("torch", 0, ref, "")], rounds)
+        a, b = (statistics.median(times[k]) for k in ("leanddp", "torch"))
+        lines.append(f"| {name} | {a * 1e3:.2f} | {b * 1e3:.2f} | {b / a:.2f}x |")
+    return "\n".join(lines)
+
+
 def measure(rows: list[Contender], rounds: int) -> dict[str, list[float]]:
     """Seconds per round for every runnable contender; contenders alternate within a round."""
     runnable = [(name, fn) for name, _, fn, _ in rows if fn is not None]
@@ -237,6 +323,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam")
     parser.add_argument("--json", type=Path, help="write the rows and environment here")
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help="then every other kernel variant against torch's fused step on the same data",
+    )
     args = parser.parse_args(argv[1:])
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -257,6 +348,9 @@ def main(argv: list[str]) -> None:
         args.json.write_text(json.dumps(dict(env=env, rows=results), indent=1))
         log(f"wrote {args.json}")
     print(markdown(results, env))
+    if args.variants:
+        print()
+        print(variants_markdown(variant_pairs(shapes), args.rounds))
 
 
 if __name__ == "__main__":

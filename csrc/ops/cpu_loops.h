@@ -11,39 +11,53 @@
 // The constants are copied first: read through the reference, they could alias the float
 // arrays the loop writes, and the compiler would reload them every element and not vectorize.
 // Elements from `tail` on take torch's tail arithmetic (optim_math.h), a few at most.
-template <bool kL2, bool kLerpSmall>
+template <bool kL2, bool kLerpSmall, bool kAmp>
 LEANDDP_ISA_ATTR void adam_loop(float* __restrict p, const float* __restrict g, float* __restrict m,
                                 float* __restrict v, int64_t n, int64_t tail,
                                 const AdamConsts& consts) {
   const AdamConsts c = consts;
   for (int64_t i = 0; i < tail; ++i) {
-    adam_update<LEANDDP_ISA_FMA, kL2, kLerpSmall>(p[i], g[i], m[i], v[i], c);
+    adam_update<LEANDDP_ISA_FMA, kL2, kLerpSmall, kAmp>(p[i], g[i], m[i], v[i], c);
   }
   for (int64_t i = tail; i < n; ++i) {
-    adam_update<LEANDDP_ISA_FMA, kL2, kLerpSmall, /*kTail=*/true>(p[i], g[i], m[i], v[i], c);
+    adam_update<LEANDDP_ISA_FMA, kL2, kLerpSmall, kAmp, /*kTail=*/true>(p[i], g[i], m[i], v[i], c);
   }
+}
+
+// adam_loop<...> for c's forms, picked once per block.
+template <bool kL2, bool kLerpSmall>
+LEANDDP_ISA_ATTR void adam_amp(float* __restrict p, const float* __restrict g, float* __restrict m,
+                               float* __restrict v, int64_t n, int64_t tail, const AdamConsts& c) {
+  c.amp_scale != 1.0f ? adam_loop<kL2, kLerpSmall, true>(p, g, m, v, n, tail, c)
+                      : adam_loop<kL2, kLerpSmall, false>(p, g, m, v, n, tail, c);
 }
 
 LEANDDP_ISA_ATTR void adam_block(float* __restrict p, const float* __restrict g,
                                  float* __restrict m, float* __restrict v, int64_t n, int64_t tail,
                                  const AdamConsts& c) {
   if (c.use_l2) {
-    c.lerp_small ? adam_loop<true, true>(p, g, m, v, n, tail, c)
-                 : adam_loop<true, false>(p, g, m, v, n, tail, c);
+    c.lerp_small ? adam_amp<true, true>(p, g, m, v, n, tail, c)
+                 : adam_amp<true, false>(p, g, m, v, n, tail, c);
   } else {
-    c.lerp_small ? adam_loop<false, true>(p, g, m, v, n, tail, c)
-                 : adam_loop<false, false>(p, g, m, v, n, tail, c);
+    c.lerp_small ? adam_amp<false, true>(p, g, m, v, n, tail, c)
+                 : adam_amp<false, false>(p, g, m, v, n, tail, c);
+  }
+}
+
+template <bool kAmp>
+LEANDDP_ISA_ATTR void sgd_loop(float* __restrict p, const float* __restrict g,
+                               float* __restrict buf, int64_t n, const SgdConsts& consts) {
+  const SgdConsts c = consts;  // (as in adam_loop)
+  if (buf == nullptr) {
+    for (int64_t i = 0; i < n; ++i) sgd_update<false, kAmp>(p[i], g[i], nullptr, c);
+  } else {
+    for (int64_t i = 0; i < n; ++i) sgd_update<true, kAmp>(p[i], g[i], buf + i, c);
   }
 }
 
 LEANDDP_ISA_ATTR void sgd_block(float* __restrict p, const float* __restrict g,
-                                float* __restrict buf, int64_t n, const SgdConsts& consts) {
-  const SgdConsts c = consts;  // (as in adam_loop)
-  if (buf == nullptr) {
-    for (int64_t i = 0; i < n; ++i) sgd_update<false>(p[i], g[i], nullptr, c);
-  } else {
-    for (int64_t i = 0; i < n; ++i) sgd_update<true>(p[i], g[i], buf + i, c);
-  }
+                                float* __restrict buf, int64_t n, const SgdConsts& c) {
+  c.amp_scale != 1.0f ? sgd_loop<true>(p, g, buf, n, c) : sgd_loop<false>(p, g, buf, n, c);
 }
 
 template <typename From, typename To>

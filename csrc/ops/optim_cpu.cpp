@@ -17,7 +17,7 @@
 namespace leanddp::ops {
 namespace {
 
-constexpr int64_t kBlockElems = 1024;  // elements per inner pass: a few KiB per stream
+constexpr int64_t kBlockElems = 512;  // elements per inner pass: a few KiB per stream
 // Fewer elements than this per thread cost more in threading than they save.
 constexpr int64_t kGrainElems = 32 << 10;
 

@@ -125,14 +125,17 @@ C10_HOST_DEVICE inline float madd(float a, float b, float c) {
 }
 
 // One element: p, m, v updated in place from gradient g. kL2: Adam with weight decay
-// (c.use_l2); kLerpSmall: c.lerp_small. kTail: the last numel % 8 elements of a float tensor
+// (c.use_l2); kLerpSmall: c.lerp_small; kAmp: a GradScaler scale other than 1 to divide by
+// (dividing by 1 is exact: skipped, as torch's kernels skip it without a scale). kTail: the last
+// numel % 8 elements of a float tensor
 // (% 16 of a 16-bit one), which torch's CPU kernel steps in a scalar loop where its build fuses
 // the second moment's other product (measured against torch's DEFAULT, AVX2 and AVX-512 kernels:
 // tests/test_cpu_isa.py).
-template <bool kFma, bool kL2, bool kLerpSmall, bool kTail = false>
+template <bool kFma, bool kL2, bool kLerpSmall, bool kAmp = true, bool kTail = false>
 C10_HOST_DEVICE inline void adam_update(float& p, float g, float& m, float& v,
                                         const AdamConsts& c) {
-  g = g * c.grad_mul / c.amp_scale;  // torch's fused kernels: grad / grad_scale (exact for 1)
+  g = g * c.grad_mul;                             // maximize, and clipping's scale (exact for 1)
+  if constexpr (kAmp) g /= c.amp_scale;           // torch's fused kernels: grad / grad_scale
   if constexpr (kL2) g = madd<kFma>(p, c.l2, g);  // torch: grad.add(param, alpha=weight_decay)
   p = p * c.decay_mul;                            // torch: param.mul_(1 - lr * weight_decay)
   // torch: exp_avg.lerp_(grad, 1 - beta1) in both of lerp's forms, each one multiply-add as
@@ -205,10 +208,12 @@ inline SgdConsts make_sgd_consts(double lr, double momentum, double dampening, b
   return c;
 }
 
-// One element; `buf` is the momentum buffer element, only touched when kMomentum.
-template <bool kMomentum>
+// One element; `buf` is the momentum buffer element, only touched when kMomentum. kAmp as in
+// adam_update.
+template <bool kMomentum, bool kAmp = true>
 C10_HOST_DEVICE inline void sgd_update(float& p, float g, float* buf, const SgdConsts& c) {
-  g = g * c.grad_mul / c.amp_scale;
+  g = g * c.grad_mul;
+  if constexpr (kAmp) g /= c.amp_scale;
   g = c.use_weight_decay ? g + c.weight_decay * p : g;  // torch: d_p.add(param, alpha=wd)
   if constexpr (kMomentum) {
     // torch: buf = clone(d_p) on the first step, else buf.mul_(momentum).add_(d_p, 1-dampening)

@@ -22,7 +22,7 @@ from pathlib import Path
 #: are packed integer shifts and the fp16 ones (F16C, AVX2 and AVX-512 only) packed converts.
 LOOPS = [
     ("adam", r"adam_(block|loop)", r"sqrtps"),
-    ("sgd", r"sgd_block", r"mulps"),
+    ("sgd", r"sgd_(block|loop)", r"mulps"),
     ("scale float", r"scale_block<float>", r"mulps"),
     ("scale double", r"scale_block<double>", r"mulpd"),
     ("bf16 to float", r"convert_block<c10::BFloat16, float>", r"(pslld|punpcklwd|pmovzxwd)"),
