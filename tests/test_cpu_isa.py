@@ -69,6 +69,17 @@ for gdt in (torch.float32, torch.bfloat16, torch.float16):
     ops.sgd_step_(sgd_p, g, [torch.zeros(n) for n in sizes], lr=0.1, momentum=0.9,
                   dampening=0.1, nesterov=False, weight_decay=0.01, first_step=True)
     out["sgd " + str(gdt)] = sgd_p
+# SGD over 16-bit parameters, gradients and momentum (fp16: one pass, without float buffers,
+# where the instruction set converts fp16)
+for dt in (torch.bfloat16, torch.float16):
+    p, b = [randn(n).to(dt) for n in sizes], [torch.zeros(n, dtype=dt) for n in sizes]
+    for step in (1, 2, 3):
+        g = [randn(n).to(dt) for n in sizes]
+        ops.sgd_step_(p, g, b, lr=0.1, momentum=0.9, dampening=0.0, nesterov=True,
+                      weight_decay=0.01, first_step=step == 1)
+        ops.sgd_step_(p, g, None, lr=0.1, momentum=0.0, dampening=0.0, nesterov=False,
+                      weight_decay=0.0, first_step=False, amp_scale=torch.tensor(2.0))
+    out["sgd params " + str(dt)] = [p, b]
 for dt in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
     ts = [randn(n).to(dt) for n in sizes]
     flat = torch.empty(sum(sizes), dtype=dt)

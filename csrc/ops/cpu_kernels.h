@@ -27,6 +27,16 @@ struct CpuLoops {
   void (*scale_double)(const double* src, double* dst, int64_t n, double scale);
   void (*scale_bf16)(const c10::BFloat16* src, c10::BFloat16* dst, int64_t n, double scale);
   void (*scale_half)(const c10::Half* src, c10::Half* dst, int64_t n, double scale);
+  // 16-bit parameters, gradients and state in one pass, without float buffers; as adam and
+  // sgd. fp16 only where the instruction set converts it (null: the buffered path steps it).
+  void (*adam_bf16)(c10::BFloat16* p, const c10::BFloat16* g, c10::BFloat16* m, c10::BFloat16* v,
+                    int64_t n, int64_t tail, const AdamConsts& c);
+  void (*sgd_bf16)(c10::BFloat16* p, const c10::BFloat16* g, c10::BFloat16* buf, int64_t n,
+                   const SgdConsts& c);
+  void (*adam_half)(c10::Half* p, const c10::Half* g, c10::Half* m, c10::Half* v, int64_t n,
+                    int64_t tail, const AdamConsts& c) = nullptr;
+  void (*sgd_half)(c10::Half* p, const c10::Half* g, c10::Half* buf, int64_t n,
+                   const SgdConsts& c) = nullptr;
 };
 
 // The loops for this CPU.

@@ -99,10 +99,130 @@ LEANDDP_ISA_ATTR void convert_block<float, c10::Half>(const float* __restrict sr
   for (; i + kHalfLanes <= n; i += kHalfLanes) LEANDDP_STORE_PH(dst + i, LEANDDP_LOAD_PS(src + i));
   for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
 }
+// Scaled in float, rounded once (scale_block's arithmetic).
+LEANDDP_ISA_ATTR void scale_half_block(const c10::Half* src, c10::Half* dst, int64_t n,
+                                       double scale) {
+  const float s = static_cast<float>(scale);
+  int64_t i = 0;
+  for (; i + kHalfLanes <= n; i += kHalfLanes) {
+    alignas(64) float x[kHalfLanes];
+    LEANDDP_STORE_PS(x, LEANDDP_LOAD_PH(src + i));
+    for (int64_t k = 0; k < kHalfLanes; ++k) x[k] *= s;
+    LEANDDP_STORE_PH(dst + i, LEANDDP_LOAD_PS(x));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<c10::Half>(static_cast<float>(src[i]) * s);
+}
+
+#endif
+
+// One pass over fp16 parameters, gradients and state, without float buffers: kLanes elements
+// at a time are widened into small arrays the compiler keeps in registers, updated by the same
+// per-element code (vectorized across the lanes) and rounded back. (bf16 keeps the buffered
+// path: c10::BFloat16's conversions vectorize in a loop over a block, not across a few lanes.)
+#if LEANDDP_ISA_F16C
+constexpr int64_t kLanes = kHalfLanes;
+
+LEANDDP_ISA_ATTR inline void widen(const c10::Half* src, float* dst) {
+  LEANDDP_STORE_PS(dst, LEANDDP_LOAD_PH(src));
+}
+
+LEANDDP_ISA_ATTR inline void narrow(const float* src, c10::Half* dst) {
+  LEANDDP_STORE_PH(dst, LEANDDP_LOAD_PS(src));
+}
 #undef LEANDDP_LOAD_PH
 #undef LEANDDP_STORE_PH
 #undef LEANDDP_LOAD_PS
 #undef LEANDDP_STORE_PS
+
+// Adam(W) in one pass over T; elements from `tail` on take torch's tail arithmetic, as in
+// adam_loop.
+template <typename T, bool kL2, bool kLerpSmall, bool kAmp>
+LEANDDP_ISA_ATTR void adam_low_loop(T* __restrict p, const T* __restrict g, T* __restrict m,
+                                    T* __restrict v, int64_t n, int64_t tail,
+                                    const AdamConsts& consts) {
+  const AdamConsts c = consts;  // (as in adam_loop)
+  int64_t i = 0;
+  for (; i + kLanes <= tail; i += kLanes) {
+    alignas(64) float pf[kLanes], gf[kLanes], mf[kLanes], vf[kLanes];
+    widen(p + i, pf);
+    widen(g + i, gf);
+    widen(m + i, mf);
+    widen(v + i, vf);
+#pragma omp simd
+    for (int64_t k = 0; k < kLanes; ++k) {
+      adam_update<LEANDDP_ISA_FMA, kL2, kLerpSmall, kAmp>(pf[k], gf[k], mf[k], vf[k], c);
+    }
+    narrow(pf, p + i);
+    narrow(mf, m + i);
+    narrow(vf, v + i);
+  }
+  for (; i < n; ++i) {
+    float pf = p[i], mf = m[i], vf = v[i];
+    if (i < tail) {
+      adam_update<LEANDDP_ISA_FMA, kL2, kLerpSmall, kAmp>(pf, g[i], mf, vf, c);
+    } else {
+      adam_update<LEANDDP_ISA_FMA, kL2, kLerpSmall, kAmp, /*kTail=*/true>(pf, g[i], mf, vf, c);
+    }
+    p[i] = pf;
+    m[i] = mf;
+    v[i] = vf;
+  }
+}
+
+template <typename T, bool kL2, bool kLerpSmall>
+LEANDDP_ISA_ATTR void adam_low_amp(T* p, const T* g, T* m, T* v, int64_t n, int64_t tail,
+                                   const AdamConsts& c) {
+  c.amp_scale != 1.0f ? adam_low_loop<T, kL2, kLerpSmall, true>(p, g, m, v, n, tail, c)
+                      : adam_low_loop<T, kL2, kLerpSmall, false>(p, g, m, v, n, tail, c);
+}
+
+template <typename T>
+LEANDDP_ISA_ATTR void adam_low_block(T* p, const T* g, T* m, T* v, int64_t n, int64_t tail,
+                                     const AdamConsts& c) {
+  if (c.use_l2) {
+    c.lerp_small ? adam_low_amp<T, true, true>(p, g, m, v, n, tail, c)
+                 : adam_low_amp<T, true, false>(p, g, m, v, n, tail, c);
+  } else {
+    c.lerp_small ? adam_low_amp<T, false, true>(p, g, m, v, n, tail, c)
+                 : adam_low_amp<T, false, false>(p, g, m, v, n, tail, c);
+  }
+}
+
+template <typename T, bool kMomentum, bool kAmp>
+LEANDDP_ISA_ATTR void sgd_low_loop(T* __restrict p, const T* __restrict g, T* __restrict buf,
+                                   int64_t n, const SgdConsts& consts) {
+  const SgdConsts c = consts;  // (as in adam_loop)
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    alignas(64) float pf[kLanes], gf[kLanes], bf[kLanes];
+    widen(p + i, pf);
+    widen(g + i, gf);
+    if constexpr (kMomentum) widen(buf + i, bf);
+#pragma omp simd
+    for (int64_t k = 0; k < kLanes; ++k) sgd_update<kMomentum, kAmp>(pf[k], gf[k], bf + k, c);
+    narrow(pf, p + i);
+    if constexpr (kMomentum) narrow(bf, buf + i);
+  }
+  for (; i < n; ++i) {
+    float pf = p[i], bf = kMomentum ? static_cast<float>(buf[i]) : 0.0f;
+    sgd_update<kMomentum, kAmp>(pf, g[i], &bf, c);
+    p[i] = pf;
+    if constexpr (kMomentum) buf[i] = bf;
+  }
+}
+
+// buf == nullptr: SGD without momentum.
+template <typename T>
+LEANDDP_ISA_ATTR void sgd_low_block(T* p, const T* g, T* buf, int64_t n, const SgdConsts& c) {
+  const bool amp = c.amp_scale != 1.0f;
+  if (buf == nullptr) {
+    amp ? sgd_low_loop<T, false, true>(p, g, buf, n, c)
+        : sgd_low_loop<T, false, false>(p, g, buf, n, c);
+  } else {
+    amp ? sgd_low_loop<T, true, true>(p, g, buf, n, c)
+        : sgd_low_loop<T, true, false>(p, g, buf, n, c);
+  }
+}
 #endif
 
 template <typename T>
@@ -127,5 +247,10 @@ inline CpuLoops make_loops(const char* name) {
   l.scale_double = &scale_block<double>;
   l.scale_bf16 = &scale_block<c10::BFloat16>;
   l.scale_half = &scale_block<c10::Half>;
+#if LEANDDP_ISA_F16C
+  l.scale_half = &scale_half_block;
+  l.adam_half = &adam_low_block<c10::Half>;
+  l.sgd_half = &sgd_low_block<c10::Half>;
+#endif
   return l;
 }

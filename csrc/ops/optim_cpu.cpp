@@ -3,9 +3,11 @@
 // These are the real host path: they will step offloaded optimizer state. at::parallel_for splits
 // the concatenation of the list into equal element ranges (ConcatRange in chunks.h); each worker
 // walks its range in L1-sized blocks: bf16/fp16 tensors (gradients; parameters and state when
-// the parameters are bf16/fp16) are upcast into per-thread float buffers, the vectorized update
-// runs (cpu_kernels.h), and what changed is rounded back (and the low-precision parameter copy
-// written) from the block while it is still in cache. Every tensor is read and written once.
+// the parameters are bf16/fp16) are upcast into per-thread float buffers (fp16 parameters,
+// gradients and state without a copy: one pass in registers instead, CpuLoops::adam_half), the
+// vectorized update runs (cpu_kernels.h), and what changed is rounded back (and the low-precision
+// parameter copy written) from the block while it is still in cache. Every tensor is read and
+// written once.
 #include "checks.h"
 #include "chunks.h"  // ConcatRange
 #include "cpu_kernels.h"
@@ -13,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <type_traits>
 
 namespace leanddp::ops {
 namespace {
@@ -107,6 +110,31 @@ void for_each_block(at::TensorList params, at::TensorList grads, at::TensorList 
   });
 }
 
+// T (fp16) parameters, gradients and state, no parameter copy, and a one-pass loop for T
+// (has_loop; CpuLoops::adam_half, sgd_half): runs step(tensor, begin, len) on every piece of
+// every tensor, in parallel, and returns true; otherwise returns false and does nothing.
+template <typename T, typename Step>
+bool for_each_low_piece(at::TensorList params, at::TensorList grads, at::TensorList param_copy,
+                        bool has_loop, const Step& step) {
+  constexpr auto dtype = c10::CppTypeToScalarType<T>::value;
+  if (!has_loop || params.empty() || params[0].scalar_type() != dtype ||
+      grads[0].scalar_type() != dtype || !param_copy.empty()) {
+    return false;
+  }
+  std::vector<int64_t> numels(params.size());
+  for (size_t i = 0; i < params.size(); ++i) numels[i] = params[i].numel();
+  const ConcatRange range(numels);
+  at::parallel_for(0, range.total(), kGrainElems,
+                   [&](int64_t first, int64_t last) { range.for_each_piece(first, last, step); });
+  return true;
+}
+
+// Element i of tensor t's memory.
+template <typename T>
+T* at_elem(const at::Tensor& t, int64_t i) {
+  return static_cast<T*>(const_cast<void*>(t.const_data_ptr())) + i;
+}
+
 // Whether GradScaler's found_inf says this step must not happen (torch's fused kernels: return).
 bool skipped(const std::optional<at::Tensor>& found_inf) {
   return found_inf.has_value() && *found_inf->const_data_ptr<float>() != 0.0f;
@@ -141,6 +169,18 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   for (size_t i = 0; i < params.size(); ++i) {
     tail[i] = params[i].numel() - params[i].numel() % width;
   }
+  // fp16: one pass over the tensors' own memory, where the instruction set converts fp16
+  const auto one_pass = [&](auto loop, auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    return for_each_low_piece<T>(
+        params, grads, param_copy, loop != nullptr, [&](int32_t t, int64_t begin, int64_t len) {
+          const int64_t from = std::clamp<int64_t>(tail[t] - begin, 0, len);
+          loop(at_elem<T>(params[t], begin), at_elem<const T>(grads[t], begin),
+               at_elem<T>(exp_avg[t], begin), at_elem<T>(exp_avg_sq[t], begin), len, from,
+               per_tensor.empty() ? consts : per_tensor[t]);
+        });
+  };
+  if (one_pass(loops.adam_half, static_cast<c10::Half*>(nullptr))) return;
   for_each_block(
       params, grads, exp_avg, exp_avg_sq, param_copy,
       [&](int32_t t, int64_t first, float* p, const float* g, float* m, float* v, int64_t n) {
@@ -162,7 +202,17 @@ void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList mo
   auto consts = make_sgd_consts(lr, momentum, dampening, nesterov, weight_decay, maximize,
                                 first_step, grad_scale);
   apply_scalars(consts, scalar_ptrs(scalars));
-  const auto sgd = cpu_loops().sgd;
+  const auto& loops = cpu_loops();
+  const auto one_pass = [&](auto loop, auto* type) {  // (as in adam_step_cpu)
+    using T = std::remove_pointer_t<decltype(type)>;
+    return for_each_low_piece<T>(
+        params, grads, param_copy, loop != nullptr, [&](int32_t t, int64_t begin, int64_t len) {
+          T* buf = momentum_buffer.empty() ? nullptr : at_elem<T>(momentum_buffer[t], begin);
+          loop(at_elem<T>(params[t], begin), at_elem<const T>(grads[t], begin), buf, len, consts);
+        });
+  };
+  if (one_pass(loops.sgd_half, static_cast<c10::Half*>(nullptr))) return;
+  const auto sgd = loops.sgd;
   for_each_block(params, grads, momentum_buffer, {}, param_copy,
                  [&](int32_t, int64_t, float* p, const float* g, float* buf, float*, int64_t n) {
                    sgd(p, g, buf, n, consts);

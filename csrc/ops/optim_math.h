@@ -114,9 +114,12 @@ inline AdamConsts make_adam_consts(double lr, double beta1, double beta2, double
   return c;
 }
 
+// Always inlined, here and below: an out-of-line copy would be compiled for the baseline
+// instruction set (this header carries no target attribute), where fmaf is a library call and
+// nothing vectorizes; inlined, each copy takes its caller's instruction set (cpu_loops.h).
 // a * b + c: one fused multiply-add (kFma), or a multiply then an add.
 template <bool kFma>
-C10_HOST_DEVICE inline float madd(float a, float b, float c) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE float madd(float a, float b, float c) {
   if constexpr (kFma) {
     return fmaf(a, b, c);
   } else {
@@ -132,8 +135,8 @@ C10_HOST_DEVICE inline float madd(float a, float b, float c) {
 // the second moment's other product (measured against torch's DEFAULT, AVX2 and AVX-512 kernels:
 // tests/test_cpu_isa.py).
 template <bool kFma, bool kL2, bool kLerpSmall, bool kAmp = true, bool kTail = false>
-C10_HOST_DEVICE inline void adam_update(float& p, float g, float& m, float& v,
-                                        const AdamConsts& c) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE void adam_update(float& p, float g, float& m, float& v,
+                                                   const AdamConsts& c) {
   g = g * c.grad_mul;                             // maximize, and clipping's scale (exact for 1)
   if constexpr (kAmp) g /= c.amp_scale;           // torch's fused kernels: grad / grad_scale
   if constexpr (kL2) g = madd<kFma>(p, c.l2, g);  // torch: grad.add(param, alpha=weight_decay)
@@ -211,7 +214,8 @@ inline SgdConsts make_sgd_consts(double lr, double momentum, double dampening, b
 // One element; `buf` is the momentum buffer element, only touched when kMomentum. kAmp as in
 // adam_update.
 template <bool kMomentum, bool kAmp = true>
-C10_HOST_DEVICE inline void sgd_update(float& p, float g, float* buf, const SgdConsts& c) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE void sgd_update(float& p, float g, float* buf,
+                                                  const SgdConsts& c) {
   g = g * c.grad_mul;
   if constexpr (kAmp) g /= c.amp_scale;
   g = c.use_weight_decay ? g + c.weight_decay * p : g;  // torch: d_p.add(param, alpha=wd)

@@ -18,17 +18,21 @@ import sys
 from pathlib import Path
 
 #: (loop, symbol pattern, packed instruction that proves it vectorized), per variant. Adam's
-#: loop is the packed square root; SGD and scaling are packed multiplies; the bf16 conversions
+#: loops are the packed square root; SGD and scaling are packed multiplies (the fp16 one-pass
+#: loops as well); the bf16 conversions
 #: are packed integer shifts and the fp16 ones (F16C, AVX2 and AVX-512 only) packed converts.
 LOOPS = [
-    ("adam", r"adam_(block|loop)", r"sqrtps"),
-    ("sgd", r"sgd_(block|loop)", r"mulps"),
+    ("adam", r"::adam_(block|amp|loop)\b", r"sqrtps"),
+    ("sgd", r"::sgd_(block|loop)\b", r"mulps"),
     ("scale float", r"scale_block<float>", r"mulps"),
     ("scale double", r"scale_block<double>", r"mulpd"),
     ("bf16 to float", r"convert_block<c10::BFloat16, float>", r"(pslld|punpcklwd|pmovzxwd)"),
     ("float to bf16", r"convert_block<float, c10::BFloat16>", r"(psrld|paddd|pand)"),
     ("fp16 to float", r"convert_block<c10::Half, float>", r"cvtph2ps"),
     ("float to fp16", r"convert_block<float, c10::Half>", r"cvtps2ph"),
+    ("scale fp16", r"scale_half_block", r"mulps"),
+    ("adam fp16", r"::adam_low_(block|amp|loop)<c10::Half", r"sqrtps"),
+    ("sgd fp16", r"::sgd_low_(block|loop)<c10::Half", r"mulps"),
 ]
 REGISTER = {"baseline": "%xmm", "avx2": "%ymm", "avx512": "%zmm"}
 NO_F16C = {"baseline"}  # x86-64's baseline has no fp16 conversion instructions
