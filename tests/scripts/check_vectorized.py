@@ -31,8 +31,8 @@ LOOPS = [
     ("fp16 to float", r"convert_block<c10::Half, float>", r"cvtph2ps"),
     ("float to fp16", r"convert_block<float, c10::Half>", r"cvtps2ph"),
     ("scale fp16", r"scale_half_block", r"mulps"),
-    ("adam fp16", r"::adam_low_(block|amp|loop)<c10::Half", r"sqrtps"),
-    ("sgd fp16", r"::sgd_low_(block|loop)<c10::Half", r"mulps"),
+    ("adam fp16", r"::adam_half_(block|amp|loop)\b", r"sqrtps"),
+    ("sgd fp16", r"::sgd_half_(block|loop)\b", r"mulps"),
 ]
 REGISTER = {"baseline": "%xmm", "avx2": "%ymm", "avx512": "%zmm"}
 NO_F16C = {"baseline"}  # x86-64's baseline has no fp16 conversion instructions
