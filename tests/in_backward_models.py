@@ -91,7 +91,9 @@ class InBackwardLockStep:
     ``optimizer_in_backward=factory`` (+ the same scheduler on ``ddp.optimizer``), each on its
     own process group. ``offload``: ours with offload_to_cpu=True; ``max_grad_norm``: ours
     clips with it (offload), torch's side with clip_grad_norm_ before its step. ``ours_kwargs``:
-    passed to leanddp's wrapper only (``ddp_kwargs`` to both)."""
+    passed to leanddp's wrapper only (``ddp_kwargs`` to both). ``fused_reference``: torch's side
+    steps with its fused kernel (reference_optimizer); False where a test needs ``factory``'s
+    optimizer exactly as the user builds it (its checkpoint format, param_groups included)."""
 
     def __init__(
         self,
@@ -102,12 +104,14 @@ class InBackwardLockStep:
         max_grad_norm: float | None = None,
         offload_threads: int | None = None,
         ours_kwargs: dict | None = None,
+        fused_reference: bool = True,
         **ddp_kwargs,
     ) -> None:
         self.ref = torch.nn.parallel.DistributedDataParallel(
             copy.deepcopy(model), process_group=dist.new_group(), **ddp_kwargs
         )
-        self.ref_opt = reference_optimizer(factory, self.ref.module.parameters())
+        params = self.ref.module.parameters()
+        self.ref_opt = reference_optimizer(factory, params) if fused_reference else factory(params)
         self.ours = leanddp.DistributedDataParallel(
             copy.deepcopy(model),
             process_group=dist.new_group(),

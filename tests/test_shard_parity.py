@@ -179,7 +179,11 @@ def _checkpoints(rank: int, world_size: int, name: str) -> None:
     # Sharded state gathered into torch's format: what torch's optimizer holds, and loadable
     # into the plain torch optimizer, which then steps on as the sharded one does.
     run = InBackwardLockStep(
-        Net(rank=rank, f64=False), OPTIMIZERS[name], bucket_cap_mb=0.0005, ours_kwargs=SHARD
+        Net(rank=rank, f64=False),
+        OPTIMIZERS[name],
+        bucket_cap_mb=0.0005,
+        ours_kwargs=SHARD,
+        fused_reference=False,  # (the checkpoints compared and exchanged are the user's format)
     )
     _train(run, f"{name} before saving", accum=2, steps=3)
     saved = run.ours.optimizer.state_dict()  # every rank calls it: a collective
