@@ -19,16 +19,18 @@ OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nu
 
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
                at::TensorList exp_avg_sq, at::TensorList copies, const OptimHyper& h, int64_t step,
-               at::TensorList state_steps, const StepTargets& t) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("leanddp::adam_step_", "")
-                       .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                                   at::TensorList, double, double, double, double, double, int64_t,
-                                   bool, bool, std::optional<double>, at::TensorList,
-                                   const OptTensor&, const OptTensor&, const OptTensor&)>();
+               at::TensorList state_steps, const StepTargets& t,
+               at::OptionalIntArrayRef tail_from) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("leanddp::adam_step_", "")
+          .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                      at::TensorList, double, double, double, double, double, int64_t, bool, bool,
+                      std::optional<double>, at::TensorList, const OptTensor&, const OptTensor&,
+                      const OptTensor&, at::OptionalIntArrayRef)>();
   op.call(params, grads, exp_avg, exp_avg_sq, copies, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
           step, h.decoupled, h.maximize, t.grad_scale, state_steps, opt(h.lr_tensor),
-          opt(t.amp_scale), opt(t.found_inf));
+          opt(t.amp_scale), opt(t.found_inf), tail_from);
 }
 
 void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
@@ -134,10 +136,13 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
   ensure_state(index, bucket, buffers);
   // What one kernel list entry steps: a masked slot, or (sharded) its piece in this rank's
   // shard, with its state at `state_offset` of the shard's buffers.
+  // `tail`: where the CPU kernel's tail arithmetic starts in `param` (a piece takes its
+  // parameter's tail, as torch steps whole tensors).
   struct Member {
     size_t slot;
     at::Tensor param, grad, copy;
     int64_t state_offset;
+    int64_t tail;
   };
   const bool with_copies = !targets.copies.empty();
   std::vector<Member> members;
@@ -149,14 +154,19 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
         if (!t.defined() || targets.cut) return t;
         return memory_1d(t).narrow(0, piece.slot_offset, piece.numel);
       };
+      // (the whole parameter's numel; the width of the dtype stepped, the host masters' with
+      // offload_to_cpu)
+      const int64_t numel = params_[static_cast<size_t>(bucket.params[s])].numel();
+      const int64_t width = 32 / static_cast<int64_t>(targets.params[s].element_size());
       members.push_back({s, cut(targets.params[s]), cut(targets.grads[s]),
-                         with_copies ? cut(targets.copies[s]) : at::Tensor(), piece.shard_offset});
+                         with_copies ? cut(targets.copies[s]) : at::Tensor(), piece.shard_offset,
+                         numel - numel % width - piece.slot_offset});
     }
   } else {
     for (size_t s = 0; s < mask.size(); ++s) {
       if (!mask[s]) continue;
       members.push_back({s, targets.params[s], targets.grads[s],
-                         with_copies ? targets.copies[s] : at::Tensor(), -1});
+                         with_copies ? targets.copies[s] : at::Tensor(), -1, -1});
     }
   }
   const auto state_of = [&](const Member& m, size_t k) {
@@ -183,8 +193,10 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
     const OptimHyper& h = groups_[static_cast<size_t>(key.first)];
     const size_t nbuf = num_buffers(key.first);
     std::vector<at::Tensor> params, grads, copies;
+    std::vector<int64_t> tails;
     std::vector<std::vector<at::Tensor>> state(nbuf);
     for (size_t m : chosen) {
+      tails.push_back(members[m].tail);
       params.push_back(members[m].param);
       grads.push_back(members[m].grad);
       if (members[m].copy.defined()) copies.push_back(members[m].copy);
@@ -205,7 +217,8 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
       at::_foreach_add_(steps, 1.0);
     }
     if (kind_ == OptimKind::kAdam) {
-      adam_step(params, grads, state[0], state[1], copies, h, key.second, steps, targets);
+      adam_step(params, grads, state[0], state[1], copies, h, key.second, steps, targets,
+                sharded() ? at::OptionalIntArrayRef(tails) : std::nullopt);
     } else {
       sgd_step(params, grads, nbuf ? state[0] : std::vector<at::Tensor>{}, copies, h,
                key.second != 0, targets);

@@ -129,7 +129,8 @@ def test_gathered_shards_hold_each_owners_weights(world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5])
 def test_pieces_stepped_per_rank_equal_the_whole_step(world_size: int) -> None:
     """The sharded step's arithmetic, simulated in one process: every rank steps only its
-    pieces (slices of cut parameters) with the fused AdamW kernel and state for its shard alone;
+    pieces (slices of cut parameters, each with its parameter's tail) with the fused AdamW kernel
+    and state for its shard alone;
     put together, the weights are bitwise those of the fused step over whole parameters, and
     within 1e-5 of torch's AdamW, over several steps with averaged random gradients."""
     from leanddp.ops import adamw_step_
@@ -181,6 +182,9 @@ def test_pieces_stepped_per_rank_equal_the_whole_step(world_size: int) -> None:
                 [states[rank][0][at : at + n] for _, _, at, n in pieces],
                 [states[rank][1][at : at + n] for _, _, at, n in pieces],
                 step=step,
+                # each piece takes its parameter's tail (the last numel % 8 floats), as the
+                # sharded FusedOptimizer passes it
+                tail_from=[numels[s] - numels[s] % 8 - o for s, o, _, _ in pieces],
                 **hyper,
             )
         # the all-gather: every rank's copy takes each owner's pieces

@@ -20,7 +20,7 @@ void adam_step_fallback(at::TensorList params, at::TensorList grads, at::TensorL
                         bool, bool, std::optional<double> grad_scale, at::TensorList state_steps,
                         const std::optional<at::Tensor>& lr_tensor,
                         const std::optional<at::Tensor>& amp_scale,
-                        const std::optional<at::Tensor>& found_inf) {
+                        const std::optional<at::Tensor>& found_inf, at::OptionalIntArrayRef) {
   check_adam_args(params, grads, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps,
                   weight_decay, step, grad_scale, {lr_tensor, state_steps, amp_scale, found_inf});
   no_backend("leanddp::adam_step_", params);

@@ -146,7 +146,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    bool decoupled_weight_decay, bool maximize, std::optional<double> grad_scale,
                    at::TensorList state_steps, const std::optional<at::Tensor>& lr_tensor,
                    const std::optional<at::Tensor>& amp_scale,
-                   const std::optional<at::Tensor>& found_inf) {
+                   const std::optional<at::Tensor>& found_inf, at::OptionalIntArrayRef tail_from) {
   const DeviceScalars scalars{lr_tensor, state_steps, amp_scale, found_inf};
   check_adam_args(params, grads, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps,
                   weight_decay, step, grad_scale, scalars);
@@ -165,9 +165,14 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   // parameters' dtype with its vector arithmetic (AVX2; with AVX-512 its 64-byte vectors, then
   // its compiler vectorizes the scalar loop 32 bytes at a time), the rest in its scalar loop.
   const int64_t width = 32 / static_cast<int64_t>(params[0].element_size());
+  // A piece of a larger tensor (tail_from) takes the larger tensor's tail.
+  TORCH_CHECK(!tail_from.has_value() || tail_from->size() == params.size(),
+              "leanddp::adam_step_: tail_from must have one entry per param (", params.size(),
+              "), got ", tail_from.has_value() ? tail_from->size() : 0);
   std::vector<int64_t> tail(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
-    tail[i] = params[i].numel() - params[i].numel() % width;
+    const int64_t n = params[i].numel();
+    tail[i] = tail_from.has_value() ? std::clamp<int64_t>((*tail_from)[i], 0, n) : n - n % width;
   }
   // fp16: one pass over the tensors' own memory, where the instruction set converts fp16
   const auto one_pass = [&](auto loop, auto* type) {

@@ -15,13 +15,15 @@ TORCH_LIBRARY(leanddp, m) {
   // math. Device scalars, as torch's fused optimizers take them: lr_tensor (one element,
   // float32/float64) replaces lr; state_steps (one float32 scalar per param, the 1-based count of
   // this update; empty: none) replace step; grads are divided by amp_scale (GradScaler's
-  // scale); a nonzero found_inf makes the call do nothing.
+  // scale); a nonzero found_inf makes the call do nothing. tail_from (CPU; one per param): where
+  // torch's tail arithmetic starts in it, for a param that is a piece of a larger tensor
+  // (default: the param's own last numel % (32 bytes / element size) elements).
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avg, "
       "Tensor(c!)[] exp_avg_sq, Tensor(d!)[] param_copy, *, float lr, float beta1, float beta2, "
       "float eps, float weight_decay, int step, bool decoupled_weight_decay, bool maximize, "
       "float? grad_scale, Tensor[] state_steps, Tensor? lr_tensor=None, "
-      "Tensor? amp_scale=None, Tensor? found_inf=None) -> ()");
+      "Tensor? amp_scale=None, Tensor? found_inf=None, int[]? tail_from=None) -> ()");
   // One SGD step; momentum_buffer is empty when momentum == 0. Dtypes and device scalars as
   // for adam_step_.
   m.def(

@@ -78,6 +78,7 @@ def adamw_step_(
     state_steps: TensorOrList | None = None,
     amp_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    tail_from: list[int] | None = None,
 ) -> None:
     """One ``torch.optim.AdamW`` step, in place, fused into a single pass over memory.
 
@@ -89,6 +90,10 @@ def adamw_step_(
     on the parameters' device; ``state_steps`` (one float32 scalar tensor per parameter, on
     their device, already counting this update) replace ``step``; ``amp_scale`` divides the
     gradients (after ``grad_scale``); a nonzero ``found_inf`` makes the call do nothing.
+    On the CPU the last ``numel % (32 bytes / element size)`` elements of each parameter take the
+    arithmetic of torch's scalar tail loop, so results equal torch's fused kernel bit for bit;
+    ``tail_from`` (one index per parameter) says where that tail starts in a parameter that is a
+    piece of a larger tensor (the larger tensor's tail, relative to the piece).
     """
     lr_tensor = lr if isinstance(lr, Tensor) else None
     _adam_step(
@@ -110,6 +115,7 @@ def adamw_step_(
         lr_tensor=lr_tensor,
         amp_scale=amp_scale,
         found_inf=found_inf,
+        tail_from=tail_from,
     )
 
 

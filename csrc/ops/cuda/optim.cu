@@ -206,7 +206,8 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     bool decoupled_weight_decay, bool maximize, std::optional<double> grad_scale,
                     at::TensorList state_steps, const std::optional<at::Tensor>& lr_tensor,
                     const std::optional<at::Tensor>& amp_scale,
-                    const std::optional<at::Tensor>& found_inf) {
+                    const std::optional<at::Tensor>& found_inf,
+                    at::OptionalIntArrayRef /*tail_from: torch's CUDA kernel has no tail*/) {
   const DeviceScalars scalars{lr_tensor, state_steps, amp_scale, found_inf};
   check_adam_args(params, grads, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps,
                   weight_decay, step, grad_scale, scalars);
