@@ -230,6 +230,12 @@ def test_empty_lists_and_empty_tensors(device):
     e = torch.empty(0, device=device)
     ops.adamw_step_([e], [e.clone()], [e.clone()], [e.clone()], **kw)
     ops.sgd_step_([e], [e.clone()], None, **SGD_CONFIGS[0])
+    # empty lists with device scalars (which pick the backend's kernel): nothing to step
+    scalars = dict(
+        amp_scale=torch.ones((), device=device), found_inf=torch.zeros((), device=device)
+    )
+    ops.adamw_step_([], [], [], [], **kw, **scalars)
+    ops.sgd_step_([], [], None, **SGD_CONFIGS[0], **scalars)
 
 
 def test_parallel_for_uses_all_threads():
@@ -279,6 +285,13 @@ def test_adam_bad_input(device):
     _assert_rejected(
         ValueError, r"exp_avg_sq has 2 tensors but params has 3", run(exp_avg_sq=v[:2]), all_
     )
+    if device == "cpu":  # (the CUDA kernel has no tail)
+        _assert_rejected(
+            ValueError,
+            r"tail_from has 2 entries but params has 3",
+            lambda: ops.adamw_step_(p, g, m, v, tail_from=[0, 0], **kw),
+            all_,
+        )
     _assert_rejected(
         TypeError, r"grads\[0\] has dtype Double", run(grads=[t.double() for t in g]), all_
     )

@@ -150,7 +150,12 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   const DeviceScalars scalars{lr_tensor, state_steps, amp_scale, found_inf};
   check_adam_args(params, grads, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps,
                   weight_decay, step, grad_scale, scalars);
-  if (skipped(found_inf)) return;
+  TORCH_CHECK_VALUE(!tail_from.has_value() || tail_from->size() == params.size(),
+                    "leanddp::adam_step_: tail_from has ",
+                    tail_from.has_value() ? tail_from->size() : 0, " entries but params has ",
+                    params.size(), " tensors");
+  // (empty lists reach this kernel when a scalar tensor is on the CPU)
+  if (skipped(found_inf) || params.empty()) return;
   // The scalar tensors are in host memory here: applied as the CUDA kernels apply them.
   const ScalarPtrs ptrs = scalar_ptrs(scalars);
   auto consts = make_adam_consts(lr, beta1, beta2, eps, weight_decay, step, decoupled_weight_decay,
@@ -166,9 +171,6 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   // its compiler vectorizes the scalar loop 32 bytes at a time), the rest in its scalar loop.
   const int64_t width = 32 / static_cast<int64_t>(params[0].element_size());
   // A piece of a larger tensor (tail_from) takes the larger tensor's tail.
-  TORCH_CHECK(!tail_from.has_value() || tail_from->size() == params.size(),
-              "leanddp::adam_step_: tail_from must have one entry per param (", params.size(),
-              "), got ", tail_from.has_value() ? tail_from->size() : 0);
   std::vector<int64_t> tail(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     const int64_t n = params[i].numel();
