@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -63,6 +64,20 @@ from build_support import check_build_torch  # noqa: E402
 # kernels are memory-bound element loops that use no sm_90 feature; the PTX rounds exactly as
 # the machine code (no FMA contraction, --fmad=false). Set TORCH_CUDA_ARCH_LIST for native code.
 DEFAULT_ARCH_LIST = "8.0+PTX"
+
+#: The torch releases this source builds and is tested against (CI: 2.13 and 2.14 on the CPU; the
+#: GPU suite: 2.11 with CUDA 13). The source distribution requires this range; a built wheel or
+#: install requires the very torch it was compiled against (the extension is tied to its C++ ABI,
+#: and ``import leanddp`` refuses another one).
+SUPPORTED_TORCH = ">=2.11,<2.15"
+#: Only a source distribution is being made: nothing is compiled, and torch is not needed.
+SDIST_ONLY = "sdist" in sys.argv[1:]
+
+
+def _version() -> str:
+    """leanddp's version, from the one file that holds it (read, not imported)."""
+    text = (ROOT / "python" / "leanddp" / "_version.py").read_text()
+    return re.search(r'^__version__ = "([^"]+)"$', text, re.MULTILINE).group(1)
 
 
 def _flag(name: str) -> bool:
@@ -90,6 +105,10 @@ def _find_cuda_home() -> str | None:
 _cuda_home = _find_cuda_home()
 if _cuda_home:
     os.environ["CUDA_HOME"] = _cuda_home
+
+if SDIST_ONLY:  # everything the build reads is listed in MANIFEST.in; no torch is imported
+    setup(install_requires=[f"torch{SUPPORTED_TORCH}"])
+    sys.exit(0)
 
 check_build_torch(str(ROOT), sys.argv)  # before anything else of torch is imported
 import torch  # noqa: E402
@@ -136,7 +155,8 @@ def _extension():
         # one thread. The soname matches the libgomp torch ships, so one OpenMP runtime is used.
         cxx.append("-fopenmp")
         link.append("-fopenmp")
-    define_macros = []
+    # a string literal for build_info()["version"]: the compiled code and the Python files agree
+    define_macros = [("LEANDDP_VERSION", f'"{_version()}"')]
     if not debug:
         define_macros.append(("NDEBUG", None))
     if platform.machine() in ("x86_64", "AMD64"):
@@ -177,4 +197,5 @@ def _extension():
 setup(
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension},
+    install_requires=[f"torch=={torch.__version__.split('+')[0]}"],
 )

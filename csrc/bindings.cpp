@@ -396,6 +396,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [] {
         py::dict info;
         info["torch_version"] = TORCH_VERSION;  // the torch this extension was compiled against
+        info["version"] = LEANDDP_VERSION;      // leanddp's, from python/leanddp/_version.py
 #ifdef LEANDDP_WITH_CUDA
         info["cuda"] = true;
 #else

@@ -12,9 +12,8 @@ from torch.distributed import GradBucket  # what communication hooks receive (to
 from . import ops
 from ._config import DDPConfig
 from ._extension import build_info
+from ._version import __version__
 from .ddp import DistributedDataParallel
-
-__version__ = "0.1.0"
 
 __all__ = [
     "DDPConfig",

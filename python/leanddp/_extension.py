@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ._version import __version__
+
 _REBUILD = (
     "Rebuild leanddp against the installed torch, from the leanddp source tree: "
     "`pip install --no-build-isolation --force-reinstall --no-deps .`"
@@ -38,6 +40,12 @@ def _load() -> Any:
             f"leanddp was built for torch {built_for} but torch {torch.__version__} is "
             f"installed. {_REBUILD}"
         )
+    compiled = module.build_info().get("version")
+    if compiled != __version__:  # a source tree updated without rebuilding its extension
+        raise ImportError(
+            f"leanddp's compiled extension is from leanddp {compiled}, its Python files from "
+            f"{__version__}. {_REBUILD}"
+        )
     return module
 
 
@@ -45,6 +53,7 @@ _C = _load()
 
 
 def build_info() -> dict[str, Any]:
-    """How the extension was built: ``torch_version`` it was compiled against, whether it has
-    its ``cuda`` kernels, and the ``cpu_isa`` its CPU kernels use on this machine."""
+    """How the extension was built: leanddp's ``version`` (``leanddp.__version__``, checked at
+    import), the ``torch_version`` it was compiled against, whether it has its ``cuda`` kernels,
+    and the ``cpu_isa`` its CPU kernels use on this machine."""
     return dict(_C.build_info())
