@@ -392,6 +392,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("buffer"), py::arg("offsets"), py::arg("lengths"), py::arg("params"),
         "torch's dist.GradBucket over a bucket's buffer (what communication hooks receive).");
   m.def(
+      "assign_buckets",
+      [](const std::vector<at::Tensor>& params, const std::vector<int64_t>& order,
+         const std::vector<int64_t>& caps_bytes) {
+        return leanddp::assign_buckets(params, order, caps_bytes, {});
+      },
+      py::arg("params"), py::arg("order"), py::arg("caps_bytes"),
+      "The Reducer's grouping of dense parameters (visited in `order`) into buckets of at most "
+      "`caps_bytes` (the last cap repeats): lists of parameter indices, per device and dtype. "
+      "Reads only shapes and dtypes, so meta tensors plan a model too large to build.");
+  m.def(
       "build_info",
       [] {
         py::dict info;

@@ -38,6 +38,7 @@ import _common as c
 import torch
 import torch.distributed as dist
 
+from leanddp import _memory
 from leanddp.bench._model import SIZES, loss_of
 
 NAME = "memory_timeline"
@@ -51,15 +52,15 @@ CONFIGS = [
     c.SHARDED_OFFLOAD,
 ]
 IN_BACKWARD = CONFIGS[2:]
-#: fp32 AdamW, bytes per parameter: parameters + gradients + buckets + device optimizer state
-TORCH_DDP_BYTES = 20.0
+#: fp32 AdamW, bytes per parameter: parameters + gradients + buckets + device optimizer state,
+#: from the memory model (leanddp._memory: torch's DDP 20, leanddp 16, in-backward 12, offload
+#: 4, sharded 4 + 8/N)
 TORCH_DDP_TOLERANCE = 1.0
-MAX_BYTES = {CONFIGS[1]: 16.5, CONFIGS[2]: 12.5, CONFIGS[3]: 4.5, c.SHARDED_OFFLOAD: 4.5}
-#: shard_optimizer_state at world size N: 4 + 8/N (the parameter, 1/N of AdamW's two moments);
-#: at this suite's world size 1 that is the unsharded 12
-SHARD_FIXED, SHARD_STATE = 4.0, 8.0
+#: over the model's figure for the unsharded leanddp configurations (gradients that autograd
+#: allocates after zero_grad(set_to_none=True), until their bucket is complete)
+SLACK = 0.5
 #: buckets allowed on top of a target: launched, reducing or being stepped at once
-BUCKETS_IN_FLIGHT = 2
+BUCKETS_IN_FLIGHT = _memory.BUCKETS_IN_FLIGHT
 #: peak gradient memory during backward with optimizer_in_backward, in largest buckets
 MAX_GRAD_BUCKETS = 2.0
 
@@ -67,9 +68,8 @@ MAX_GRAD_BUCKETS = 2.0
 def max_bytes(name: str, world: int) -> float:
     """The fp32 target of configuration ``name`` in bytes per parameter, before the allowance
     for buckets in flight; ``world``: the world size the run had."""
-    if name == c.SHARDED:
-        return SHARD_FIXED + SHARD_STATE / world
-    return MAX_BYTES[name]
+    fixed = _memory.per_parameter(_memory.mode(name), 4, "adamw", world)[0]
+    return fixed if name in (c.SHARDED, CONFIGS[0]) else fixed + SLACK
 
 
 def accounted(name: str, ddp, opt, params: list[torch.Tensor]) -> int:
@@ -200,8 +200,9 @@ def verdicts(results: list[dict], smoke: bool) -> list[dict]:
         name, dtype, bpp = r["config"], r["dtype"], r["bytes_per_param"]
         subject = f"{dtype} bytes/param {name} {bpp:.2f}"
         if dtype == "fp32" and name == "torch DDP":
-            ok = abs(bpp - TORCH_DDP_BYTES) <= TORCH_DDP_TOLERANCE
-            target = f"target {TORCH_DDP_BYTES:g} ± {TORCH_DDP_TOLERANCE:g}"
+            expected = max_bytes(name, 1)
+            ok = abs(bpp - expected) <= TORCH_DDP_TOLERANCE
+            target = f"target {expected:g} ± {TORCH_DDP_TOLERANCE:g}"
             out.append(c.verdict(subject, target, ok, smoke))
         elif dtype == "fp32":
             limit, allow = max_bytes(name, r.get("world_size", 1)), r["allowance_per_param"]

@@ -6,6 +6,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from leanddp import _memory
+
 #: The torch configuration shares torch's AdamW; leanddp's fused AdamW rounds differently (a few
 #: ulp per step) and accumulation sums micro-batch gradients in another order. AdamW turns
 #: noise-level gradients (attention key biases, whose exact gradient is zero) into full-size
@@ -17,13 +19,11 @@ ANCHOR = "torch DDP"
 #: (names of _worker.CONFIGS, repeated here so that the report needs no torch)
 SHARDED = "leanddp in-backward sharded"
 UNSHARDED = "leanddp + optimizer_in_backward"
-#: fp32 AdamW with shard_optimizer_state at world size N: a 4-byte parameter on every rank and
-#: 8/N bytes of state (two fp32 moments, one rank's shard), plus the buckets in flight
-SHARD_TARGET_FIXED = 4.0
-SHARD_TARGET_STATE = 8.0
-#: the buckets in flight allowed on top of that target: launched, reducing or being stepped at
-#: once (the in-backward step window), counted as this many of the largest bucket
-BUCKETS_IN_FLIGHT = 2
+#: the buckets in flight allowed on top of the sharded run's target (fp32 AdamW at world size
+#: N: a 4-byte parameter and 8/N bytes of state, from the memory model, leanddp._memory):
+#: launched, reducing or being stepped at once (the in-backward step window), counted as this
+#: many of the largest bucket
+BUCKETS_IN_FLIGHT = _memory.BUCKETS_IN_FLIGHT
 #: the sharded step against the unsharded in-backward one: at most this ratio on the CPU (gloo)
 #: at world size 2, and at most STEP_TARGET_NCCL against torch's DDP on NCCL
 STEP_TARGET_GLOO = 1.05
@@ -93,8 +93,13 @@ def shard_target(run: dict, params: int, dtype: str) -> tuple[float, float] | No
     largest = run["memory"].get("largest_bucket")
     if run["config"] != SHARDED or dtype != "fp32" or run["accum"] != 1 or largest is None:
         return None
-    fixed = SHARD_TARGET_FIXED + SHARD_TARGET_STATE / run["world_size"]
-    return fixed, BUCKETS_IN_FLIGHT * largest / params
+    return shard_fixed(run["world_size"]), BUCKETS_IN_FLIGHT * largest / params
+
+
+def shard_fixed(world: float) -> float:
+    """The sharded run's target before the buckets in flight, fp32 AdamW at ``world`` ranks:
+    4 + 8/N bytes per parameter (the memory model's, leanddp._memory)."""
+    return _memory.per_parameter(_memory.mode(SHARDED), 4, "adamw", world)[0]
 
 
 def counterpart(run: dict, runs: list[dict], name: str) -> dict | None:
@@ -447,7 +452,7 @@ def world_panel(ax, report: dict, series: list[dict]) -> None:
         lo, hi = worlds[0], worlds[-1]
         ns = [lo + (hi - lo) * k / 100 for k in range(101)]
         ax.plot(
-            ns, [SHARD_TARGET_FIXED + SHARD_TARGET_STATE / n for n in ns], "--", color="k",
+            ns, [shard_fixed(n) for n in ns], "--", color="k",
             linewidth=1, label="target 4 + 8/N (fp32 AdamW)",
         )  # fmt: skip
         ax.plot(

@@ -1,0 +1,281 @@
+"""The memory model: what one rank holds for each configuration, by category, in bytes.
+
+One implementation serves ``python -m leanddp.plan`` (will it fit?), the bench's targets
+(``python -m leanddp.bench``) and the tables of docs/memory.md (a test checks them against
+this). Activations, the CUDA context and the allocator's caching are outside the model: they are
+the model's and the batch's, the same under every configuration.
+
+Categories, per rank (the bench measures the same ones):
+
+- ``parameters``: the trainable parameters.
+- ``gradients``: gradients outside the communication buckets. torch's DDP (default
+  ``gradient_as_bucket_view=False``) keeps ``param.grad`` apart from its buckets; leanddp's
+  gradients are views into the buckets, and only the gradients autograd allocates after
+  ``zero_grad(set_to_none=True)`` live outside them, until their bucket is complete: up to one
+  bucket (``TRANSIENT_BUCKETS``).
+- ``buckets``: the flat communication buckets. All of them, unless buckets are released after
+  their step inside backward (``optimizer_in_backward`` without accumulation): then the buckets
+  in flight, at most ``in_flight_buckets()`` of the largest.
+- ``optimizer_state``: optimizer state on the device (the moments, in the parameters' dtype, and
+  torch's step counters); 1/N of it with ``shard_optimizer_state``.
+- ``host_state``, ``host_masters``, ``host_staging``: with ``offload_to_cpu``, the float32
+  moments, the float32 master weights and the staging buffers in host memory (for float32
+  parameters the copy-back staging buffer is the master itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+from ._extension import _C
+
+#: The in-backward step window: buckets launched, reducing or being stepped at once (the
+#: Reducer's StepWindow owns it).
+BUCKETS_IN_FLIGHT: int = _C.BUCKETS_IN_FLIGHT
+#: Gradients outside the buckets (after ``zero_grad(set_to_none=True)``): up to one bucket.
+TRANSIENT_BUCKETS = 1
+#: Each sharded bucket is padded to N equal shards of a multiple of this many bytes.
+SHARD_ALIGN_BYTES = 16
+#: Bytes of one optimizer state element on the host (float32) and of a float32 master weight.
+HOST_STATE_BYTES = 4
+#: Moments per parameter element of each optimizer kind leanddp's kernels step.
+MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1, "sgd-no-momentum": 0}
+#: torch's Adam/AdamW keep a float32 step counter per parameter tensor.
+STEP_COUNTER_BYTES = {"adamw": 4, "adam": 4, "sgd": 0, "sgd-no-momentum": 0}
+
+DEVICE_CATEGORIES = ("parameters", "gradients", "buckets", "optimizer_state")
+HOST_CATEGORIES = ("host_state", "host_masters", "host_staging")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One configuration of data-parallel training."""
+
+    name: str
+    wrapper: str
+    """``"torch"`` (torch's DDP, its defaults) or ``"leanddp"`` (gradient views)."""
+    in_backward: bool = False
+    offload: bool = False
+    shard: bool = False
+
+    @property
+    def keeps_first_layout(self) -> bool:
+        """Whether its buckets stay as first built (parameters in registration order) instead
+        of being rebuilt once in the order gradients arrive: offload_to_cpu with
+        shard_optimizer_state (the host's shard-sized state is laid out once)."""
+        return self.offload and self.shard
+
+
+#: Every configuration, in the order the planner and the bench report them (the bench's names).
+MODES = (
+    Mode("torch DDP", "torch"),
+    Mode("leanddp", "leanddp"),
+    Mode("leanddp + optimizer_in_backward", "leanddp", in_backward=True),
+    Mode("leanddp + offload_to_cpu", "leanddp", in_backward=True, offload=True),
+    Mode("leanddp in-backward sharded", "leanddp", in_backward=True, shard=True),
+    Mode("leanddp offload sharded", "leanddp", in_backward=True, offload=True, shard=True),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What the model contributes: its trainable parameters and how they are bucketed."""
+
+    numel: int
+    """Trainable parameter elements."""
+    element_size: int
+    """Bytes of one element (4: float32; 2: bfloat16/float16)."""
+    tensors: int
+    """Trainable parameter tensors (torch's Adam keeps a step counter per tensor)."""
+    buckets: tuple[tuple[int, int], ...] = ()
+    """The communication buckets, as (bytes, how many buckets of that size). None given: the
+    per-parameter view of a model whose buckets are negligible beside it (all of them hold its
+    gradients; none is in flight; no padding)."""
+
+    @classmethod
+    def of(cls, numel: int, element_size: int, tensors: int, buckets: Sequence[int]) -> Shape:
+        """A shape whose buckets have the sizes ``buckets`` (bytes, one per bucket)."""
+        counts: dict[int, int] = {}
+        for b in buckets:
+            counts[b] = counts.get(b, 0) + 1
+        return cls(numel, element_size, tensors, tuple(sorted(counts.items(), reverse=True)))
+
+    def bucket_sizes(self) -> list[int]:
+        """Every bucket's bytes, largest first."""
+        return [b for b, n in self.buckets for _ in range(n)]
+
+    @property
+    def bucket_count(self) -> int:
+        return sum(n for _, n in self.buckets)
+
+    @property
+    def largest_bucket(self) -> int:
+        return max((b for b, _ in self.buckets), default=0)
+
+    def padded(self, world: int) -> tuple[tuple[int, int], ...]:
+        """Each bucket padded to ``world`` equal shards of whole 16-byte units."""
+        unit = SHARD_ALIGN_BYTES * world
+        return tuple((math.ceil(b / unit) * unit, n) for b, n in self.buckets)
+
+    def scaled(self, numel: int) -> Shape:
+        """The same shape with ``numel`` elements: as many tensors, buckets of its largest size."""
+        cap = self.largest_bucket
+        total = numel * self.element_size
+        full, rest = divmod(total, cap) if cap else (0, total)
+        buckets = ((cap, full),) if full else ()
+        return Shape(
+            numel, self.element_size, self.tensors, buckets + (((rest, 1),) if rest else ())
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Bytes one rank holds, by category; ``transient`` of the device bytes are the bucket-sized
+    allowance (buckets in flight and gradients outside them), which does not grow with the model
+    once its buckets are full."""
+
+    mode: Mode
+    bytes: dict[str, int]
+    transient: int
+
+    @property
+    def device(self) -> int:
+        return sum(self.bytes[c] for c in DEVICE_CATEGORIES)
+
+    @property
+    def host(self) -> int:
+        return sum(self.bytes[c] for c in HOST_CATEGORIES)
+
+
+def mode(name: str) -> Mode:
+    """The configuration of that name (a name of MODES)."""
+    for m in MODES:
+        if m.name == name:
+            return m
+    raise ValueError(f"unknown configuration {name!r}; choose from {[m.name for m in MODES]}")
+
+
+def in_flight_buckets(mode: Mode, device_ordered: bool) -> int:
+    """Buckets allocated at once when ``mode`` releases them inside backward: the step window;
+    sharded on the CPU, one more (a stepped bucket waits for its all-gather until the next
+    step; on a GPU that wait is ordered on a stream and the bucket released at once)."""
+    return BUCKETS_IN_FLIGHT + (1 if mode.shard and not device_ordered else 0)
+
+
+def estimate(
+    mode: Mode,
+    shape: Shape,
+    *,
+    optimizer: str = "adamw",
+    world_size: int = 1,
+    accumulation: int = 1,
+    clip: bool = False,
+    device_ordered: bool = True,
+) -> Estimate:
+    """What one rank holds for ``mode`` training ``shape`` with ``optimizer`` (a key of MOMENTS)
+    at ``world_size`` ranks, ``accumulation`` micro-batches per step, with or without gradient
+    clipping (``max_grad_norm``), on a GPU (``device_ordered``) or the CPU."""
+    if optimizer not in MOMENTS:
+        raise ValueError(f"optimizer must be one of {sorted(MOMENTS)}, got {optimizer!r}")
+    if world_size < 1 or accumulation < 1:
+        raise ValueError(
+            f"world_size and accumulation must be at least 1, got {world_size} and {accumulation}"
+        )
+    p = shape.element_size
+    moments = MOMENTS[optimizer]
+    buckets = shape.padded(world_size) if mode.shard else shape.buckets
+    largest = max((b for b, _ in buckets), default=0)
+    held = sum(b * n for b, n in buckets) if buckets else shape.numel * p  # every bucket
+    counters = STEP_COUNTER_BYTES[optimizer] * shape.tensors
+    out = dict.fromkeys(DEVICE_CATEGORIES + HOST_CATEGORIES, 0)
+    out["parameters"] = shape.numel * p
+    transient = 0
+    if mode.wrapper == "torch":
+        out["gradients"] = shape.numel * p
+    else:
+        out["gradients"] = transient = TRANSIENT_BUCKETS * largest
+    # buckets released inside backward, unless accumulation (or clipping before the sharded
+    # device step, which needs the global norm) keeps them all until the end of backward
+    releases = (
+        mode.in_backward and accumulation == 1 and not (clip and mode.shard and not mode.offload)
+    )
+    if releases:
+        out["buckets"] = min(held, in_flight_buckets(mode, device_ordered) * largest)
+        transient += out["buckets"]
+    else:
+        out["buckets"] = held
+    # the elements whose state this rank keeps: all, or its shard of every padded bucket
+    stepped = (
+        (held // (p * world_size) if buckets else shape.numel / world_size)
+        if mode.shard
+        else shape.numel
+    )
+    if mode.offload:
+        out["host_state"] = moments * HOST_STATE_BYTES * stepped
+        out["host_masters"] = HOST_STATE_BYTES * stepped
+        # the gradients' staging buffer; bfloat16/float16 add the rounded weights' (float32
+        # weights are copied back from the masters themselves)
+        out["host_staging"] = (1 if p == HOST_STATE_BYTES else 2) * p * stepped
+    else:
+        out["optimizer_state"] = moments * p * stepped + (0 if mode.in_backward else counters)
+    return Estimate(mode, out, transient)
+
+
+def per_parameter(
+    mode: Mode, element_size: int = 4, optimizer: str = "adamw", world_size: int = 1
+) -> tuple[float, float]:
+    """Bytes per parameter (device, host) of ``mode`` for a model whose buckets are negligible
+    beside it: the numbers of docs/memory.md's table (fp32 AdamW: torch's DDP 20, leanddp 16,
+    + optimizer_in_backward 12, + offload_to_cpu 4 and 16 on the host, sharded 4 + 8/N)."""
+    e = estimate(mode, Shape(1, element_size, 0, ()), optimizer=optimizer, world_size=world_size)
+    return float(e.device), float(e.host)
+
+
+def fits(e: Estimate, device_bytes: float | None, host_bytes: float | None, shared: bool) -> bool:
+    """Whether ``e`` fits ``device_bytes`` and ``host_bytes`` (None: no limit); ``shared``: the
+    device is the host (training on the CPU), so both totals come out of ``host_bytes``."""
+    if shared:
+        return host_bytes is None or e.device + e.host <= host_bytes
+    return (device_bytes is None or e.device <= device_bytes) and (
+        host_bytes is None or e.host <= host_bytes
+    )
+
+
+def largest_fitting(
+    estimate_of: Callable[[Shape], Estimate],
+    shape: Shape,
+    device_bytes: float | None,
+    host_bytes: float | None,
+    shared: bool = False,
+) -> int | None:
+    """The most parameter elements of ``shape``'s kind whose ``estimate_of(shape)`` fits (see
+    :func:`fits`); None when nothing limits it (no memory given, or none the mode uses)."""
+
+    def ok(numel: int) -> bool:
+        return fits(estimate_of(shape.scaled(numel)), device_bytes, host_bytes, shared)
+
+    if not ok(1):
+        return 0
+    high = 1
+    while ok(high * 2):
+        high *= 2
+        if high >= 2**62:
+            return None
+    low, high = high, high * 2
+    while high - low > 1:  # ok(low), not ok(high)
+        mid = (low + high) // 2
+        low, high = (mid, high) if ok(mid) else (low, mid)
+    return low
+
+
+def table_rows(estimates: Sequence[Estimate], unit: float) -> list[list[str]]:
+    """One row per estimate: its name, then every category, the device and host totals, in
+    ``unit`` (bytes per ``unit``)."""
+    rows = []
+    for e in estimates:
+        values = [e.bytes[c] for c in DEVICE_CATEGORIES] + [e.device]
+        values += [e.bytes[c] for c in HOST_CATEGORIES] + [e.host]
+        rows.append([e.mode.name, *(f"{v / unit:.2f}" for v in values)])
+    return rows
