@@ -38,7 +38,7 @@ import _common as c
 import torch
 import torch.distributed as dist
 
-from leanddp import _memory
+from leanddp import _memory, plan
 from leanddp.bench._model import SIZES, loss_of
 
 NAME = "memory_timeline"
@@ -59,6 +59,9 @@ TORCH_DDP_TOLERANCE = 1.0
 #: over the model's figure for the unsharded leanddp configurations (gradients that autograd
 #: allocates after zero_grad(set_to_none=True), until their bucket is complete)
 SLACK = 0.5
+#: over the planner's device bytes (python -m leanddp.plan): the caching allocator rounds every
+#: block up (512 B) and a few small tensors are outside the model
+PLAN_SLACK = 0.01
 #: buckets allowed on top of a target: launched, reducing or being stepped at once
 BUCKETS_IN_FLIGHT = _memory.BUCKETS_IN_FLIGHT
 #: peak gradient memory during backward with optimizer_in_backward, in largest buckets
@@ -182,6 +185,15 @@ def measure(name: str | None, master, args, dtype: str, tokens, plain: dict | No
     largest = out["largest_bucket_bytes"] = max(buckets)
     out["num_buckets"] = len(buckets)
     out["bytes_per_param"] = (out["peak_bytes"] - plain["activation_bytes"]) / numel
+    # what `python -m leanddp.plan` says this configuration holds on the device (an upper bound:
+    # the step window's buckets in flight and one bucket of gradients outside them)
+    mode = _memory.mode(name)
+    shape = plan.shape_of(
+        model, bucket_cap_mb=args.bucket_cap_mb, first_layout=mode.keeps_first_layout
+    )
+    out["planned_bytes"] = _memory.estimate(
+        mode, shape, world_size=out["world_size"], device_ordered=device.type == "cuda"
+    ).device
     out["allowance_per_param"] = BUCKETS_IN_FLIGHT * largest / numel
     raw = [s - out["start_bytes"] for s in out["timeline"]]
     released = [b - plain["start_bytes"] for b in plain["timeline"]]
@@ -210,6 +222,12 @@ def verdicts(results: list[dict], smoke: bool) -> list[dict]:
             if name == c.SHARDED:
                 target += f" (4 + 8/N, world size {r.get('world_size', 1)})"
             out.append(c.verdict(subject, target, bpp <= limit + allow, smoke))
+        measured, planned = bpp * r["numel"], r["planned_bytes"]
+        subject = f"{dtype} peak - A {name} {measured / 2**20:.1f} MiB"
+        target = (
+            f"≤ the planner's {planned / 2**20:.1f} MiB + {PLAN_SLACK:.0%} (allocator rounding)"
+        )
+        out.append(c.verdict(subject, target, measured <= planned * (1 + PLAN_SLACK), smoke))
         if name in IN_BACKWARD:
             g = r["peak_grad_buckets"]
             subject = f"{dtype} peak gradient memory in backward {name} {g:.2f} buckets"
@@ -226,10 +244,10 @@ def markdown(report: dict) -> str:
         f"{report['args']['batch']} x seq {report['args']['seq']}, bucket_cap_mb="
         f"{report['args']['bucket_cap_mb']:g}; peaks from {unit}",
         "",
-        "| dtype | configuration | peak (MiB) | baseline A (MiB) | bytes/param | allowance/param "
-        "(2 buckets) | largest bucket (MiB) | peak_bucket_bytes (MiB) | max buckets in flight "
-        "| peak gradients in backward (buckets) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| dtype | configuration | peak (MiB) | baseline A (MiB) | peak - A (MiB) | planned (MiB) "
+        "| bytes/param | allowance/param (2 buckets) | largest bucket (MiB) | peak_bucket_bytes "
+        "(MiB) | max buckets in flight | peak gradients in backward (buckets) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     mib = 2.0**20
     for r in report["results"]:
@@ -237,6 +255,7 @@ def markdown(report: dict) -> str:
         pb = r.get("peak_bucket_bytes")
         lines.append(
             f"| {r['dtype']} | {r['config']} | {r['peak_bytes'] / mib:.1f} | {a / mib:.1f} "
+            f"| {r['bytes_per_param'] * r['numel'] / mib:.1f} | {r['planned_bytes'] / mib:.1f} "
             f"| {r['bytes_per_param']:.2f} | {r['allowance_per_param']:.2f} "
             f"| {r['largest_bucket_bytes'] / mib:.1f} | {'—' if pb is None else f'{pb / mib:.1f}'} "
             f"| {r.get('max_buckets_in_flight', '—')} | {r['peak_grad_buckets']:.2f} |"
