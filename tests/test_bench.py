@@ -9,14 +9,43 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from leanddp import _memory, plan
 from leanddp.bench import main
+from leanddp.bench._model import SIZES, TinyGPT
 from leanddp.bench._report import device_bytes_per_param, table
 
 SHARDED = "leanddp in-backward sharded"
 UNSHARDED = "leanddp + optimizer_in_backward"
 SHARDED_OFFLOAD = "leanddp offload sharded"
 CONFIGS = ["torch DDP", "leanddp", UNSHARDED, "leanddp + offload_to_cpu", SHARDED, SHARDED_OFFLOAD]
+
+
+def assert_planned(report: dict) -> None:
+    """The planner's categories (leanddp.plan, the memory model of docs/memory.md) equal what
+    the bench measured for every run, within the buckets-in-flight allowance (the window's
+    buckets of the run's largest); parameters exactly."""
+    with torch.device("meta"):
+        model = TinyGPT(SIZES[report["args"]["model"]])
+    cap = float(report["args"]["bucket_cap_mb"])
+    for r in report["runs"]:
+        mode = _memory.mode(r["config"])
+        shape = plan.shape_of(model, bucket_cap_mb=cap, first_layout=mode.keeps_first_layout)
+        e = _memory.estimate(
+            mode, shape, world_size=r["world_size"], accumulation=r["accum"], device_ordered=False
+        )
+        m = r["memory"]
+        allowance = _memory.BUCKETS_IN_FLIGHT * m.get("largest_bucket", shape.largest_bucket)
+        what = (r["config"], r["accum"], r["world_size"], m, e.bytes)
+        assert m["parameters"] == e.bytes["parameters"], what
+        for measured, planned in (
+            (m["gradients"], e.bytes["gradients"]),
+            (m["buckets"], e.bytes["buckets"]),
+            (m["optimizer_device"], e.bytes["optimizer_state"]),
+            (m["host"], e.host),
+        ):
+            assert abs(measured - planned) <= allowance, what
 
 
 def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -112,6 +141,7 @@ def test_bench_runs_every_configuration_with_accumulation(tmp_path: Path) -> Non
     assert 20 <= device_bytes_per_param(runs["torch DDP"], report["params"]) < 20.01
     assert device_bytes_per_param(runs["leanddp + offload_to_cpu"], report["params"]) < 10
     assert (out / "bench.png").stat().st_size > 10_000
+    assert_planned(report)
     assert "[2/8] leanddp, accumulation 2, world size 2" in done.stderr  # progress
     assert f"[8/8] {SHARDED}, accumulation 2, world size 3" in done.stderr
 
@@ -127,6 +157,7 @@ def test_bench_without_accumulation_frees_gradients_in_backward(tmp_path: Path) 
     assert memory["parameters"] == 4 * report["params"]
     # stepped and released bucket by bucket: never all buckets at once
     assert 0 < memory["buckets"] < memory["parameters"]
+    assert_planned(report)
     # torch's DDP was not a configuration: the ratio comes from the steps interleaved with it
     ratio = report["runs"][0]["interleaved"]["ratio"]
     assert ratio > 0 and f"| {ratio:.3f} |" in done.stdout
