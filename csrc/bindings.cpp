@@ -337,6 +337,9 @@ void bind_reducer(py::module_& m) {
       .def("num_iterations", &Reducer::num_iterations, py::call_guard<py::gil_scoped_release>())
       .def("time_iteration", &Reducer::time_iteration, py::arg("sampled"),
            py::call_guard<py::gil_scoped_release>())
+      .def("unused_parameters", &Reducer::unused_parameters,
+           py::call_guard<py::gil_scoped_release>())
+      .def("take_usage_error", &Reducer::take_usage_error, py::call_guard<py::gil_scoped_release>())
       .def("collect_times", [](Reducer& self) -> py::object {
         leanddp::IterationTimes t;
         {
@@ -351,7 +354,6 @@ void bind_reducer(py::module_& m) {
         d["backward_comm_time"] = t.backward_comm;
         d["backward_compute_comm_overlap_time"] = t.overlap;
         d["grad_ready_order"] = t.grad_ready_order;
-        d["unused"] = t.unused;
         return d;
       });
 }

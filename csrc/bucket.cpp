@@ -45,8 +45,10 @@ std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& 
       ++b.closed;
     }
   }
-  for (const Key& key : first_seen) {
-    Open& b = open[key];
+  // The buckets left open follow, as in torch's compute_bucket_assignment_by_size (which emits
+  // them in the iteration order of its hash map): the (device, dtype) seen last first.
+  for (auto key = first_seen.rbegin(); key != first_seen.rend(); ++key) {
+    Open& b = open[*key];
     if (!b.indices.empty()) buckets.push_back(std::move(b.indices));
   }
   return buckets;

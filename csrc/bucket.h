@@ -20,11 +20,13 @@ constexpr int64_t kFirstBucketCapBytes = 1 << 20;
 // the rebuild); buckets are filled in that order, one open bucket per (device, dtype), and a
 // bucket is closed when it reaches its cap: `caps_bytes[k]` for the k-th bucket closed (the last
 // cap repeats). A parameter larger than the cap gets a bucket of its own. Returns, per bucket,
-// the parameter indices in layout order; buckets are ordered by when they closed, which is the
-// order in which all ranks launch their reductions. Deterministic: the same inputs give the same
-// layout on every rank. A parameter with `sparse[i]` set (it expects sparse gradients; `sparse`
-// may be empty: none does) gets a bucket of its own where `order` reaches it, outside the caps,
-// as in torch's DDP: sparse gradients are reduced one tensor at a time.
+// the parameter indices in layout order; buckets are ordered by when they closed, then the ones
+// left open, the (device, dtype) that `order` reached last first: torch's DDP's order
+// (compute_bucket_assignment_by_size with its tensor_indices, as its rebuild calls it). That is
+// the order in which all ranks launch their reductions. Deterministic: the same inputs give the
+// same layout on every rank. A parameter with `sparse[i]` set (it expects sparse gradients;
+// `sparse` may be empty: none does) gets a bucket of its own where `order` reaches it, outside the
+// caps, as in torch's DDP: sparse gradients are reduced one tensor at a time.
 std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& params,
                                                  const std::vector<int64_t>& order,
                                                  const std::vector<int64_t>& caps_bytes,

@@ -10,6 +10,7 @@
 #include <optional>
 #include <sstream>
 #include <unordered_set>
+#include <utility>
 
 namespace leanddp {
 namespace {
@@ -235,18 +236,19 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!seen.count(grad_accumulators_[i].get())) unused_.push_back(static_cast<int64_t>(i));
   }
+  found_unused_ = unused_;
 }
 
 void Reducer::autograd_hook(size_t index) {
   at::NoGradGuard no_grad;
   std::lock_guard<std::mutex> lock(mu_);
   if (!armed_) {
-    TORCH_CHECK(!reduced_since_forward_, "leanddp.DistributedDataParallel: parameter ",
-                names_[index],
-                " received a gradient in a second backward through the outputs of one forward "
-                "(its gradients were already reduced). Each backward that reduces needs a "
-                "forward through the wrapper of its own; to accumulate gradients without "
-                "reducing, run that forward inside no_sync().");
+    LEANDDP_USAGE_CHECK(
+        !reduced_since_forward_, "leanddp.DistributedDataParallel: parameter ", names_[index],
+        " received a gradient in a second backward through the outputs of one forward "
+        "(its gradients were already reduced). Each backward that reduces needs a "
+        "forward through the wrapper of its own; to accumulate gradients without "
+        "reducing, run that forward inside no_sync().");
     // no_sync() or a backward not prepared by a forward: accumulate locally, in the views. A
     // parameter used here is used in the next synchronized step, as in torch's DDP.
     if (params_[index].grad().defined()) local_used_[index] = 1;
@@ -275,11 +277,12 @@ void Reducer::autograd_hook(size_t index) {
       if (!ready_[static_cast<size_t>(u)]) mark_ready(static_cast<size_t>(u));
     }
   }
-  TORCH_CHECK(!ready_[index], "leanddp.DistributedDataParallel: parameter ", names_[index],
-              " received a gradient twice in one backward (it had already been ",
-              (local_used_[index] ? "reduced" : "found unreachable from the forward's outputs"),
-              "). Reentrant activation checkpointing does this: use "
-              "torch.utils.checkpoint.checkpoint(..., use_reentrant=False).");
+  LEANDDP_USAGE_CHECK(
+      !ready_[index], "leanddp.DistributedDataParallel: parameter ", names_[index],
+      " received a gradient twice in one backward (it had already been ",
+      (local_used_[index] ? "reduced" : "found unreachable from the forward's outputs"),
+      "). Reentrant activation checkpointing does this: use "
+      "torch.utils.checkpoint.checkpoint(..., use_reentrant=False).");
   local_used_[index] = 1;
   timer_.ready(static_cast<int64_t>(index));  // (hooks only, as torch's order: not the unused)
   // The order of gradients that arrived (not of parameters marked ready without one), as
@@ -436,7 +439,7 @@ void Reducer::finalize() {
       for (size_t i = 0; i < params_.size(); ++i) {
         if (!ready_[i]) missing.push_back(static_cast<int64_t>(i));
       }
-      TORCH_CHECK(
+      LEANDDP_USAGE_CHECK(
           false, "leanddp.DistributedDataParallel: rank ", rank_,
           ": these parameters received no gradient in this backward: ", join_names(names_, missing),
           ". Their reduction could not start. If the forward does not use every "
@@ -494,8 +497,8 @@ void Reducer::finalize() {
       for (size_t i = 0; i < params_.size(); ++i) {
         if (!local_used_[i]) static_unused_.push_back(static_cast<int64_t>(i));
       }
+      found_unused_ = static_unused_;
     }
-    timer_.note_unused(unused_);
     timer_.mark(IterationTimer::kBackwardCommEnd);
     ++iterations_;
     if (comm_hook_) comm_hook_->reset();
@@ -642,6 +645,21 @@ void Reducer::time_iteration(bool sampled) {
 IterationTimes Reducer::collect_times() {
   std::lock_guard<std::mutex> lock(mu_);
   return timer_.collect();
+}
+
+std::vector<int64_t> Reducer::unused_parameters() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return found_unused_;
+}
+
+std::optional<std::string> Reducer::take_usage_error() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(usage_error_, std::nullopt);
+}
+
+void Reducer::usage_error(const std::string& message) const {
+  usage_error_ = message;
+  TORCH_CHECK(false, message);
 }
 
 }  // namespace leanddp

@@ -52,6 +52,8 @@
 #include "stepper.h"
 #include "streams.h"
 
+#include <c10/macros/Macros.h>
+#include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -70,6 +72,14 @@ namespace leanddp {
 
 // "a, b, c" for the parameters `idx` (at most 8 named, then the count), for error messages.
 std::string join_names(const std::vector<std::string>& names, const std::vector<int64_t>& idx);
+
+// TORCH_CHECK for the Reducer's checks of how it is used (torch's REDUCER_CHECK): a failure is
+// recorded for the logging data (Reducer::take_usage_error) and raised as a RuntimeError. Only
+// inside Reducer members, with `mu_` held.
+#define LEANDDP_USAGE_CHECK(cond, ...)                             \
+  do {                                                             \
+    if (C10_UNLIKELY(!(cond))) usage_error(c10::str(__VA_ARGS__)); \
+  } while (0)
 
 // check_for_nan_in_grad: off; on (raise at the end of backward; with optimizer_in_backward on the
 // device, buckets stepped before the bad one keep their update); strict (also defers the device's
@@ -253,6 +263,16 @@ class Reducer {
   // The last measured iteration's statistics (valid=false if none completed since the last
   // call); on a GPU the host waits for that iteration's timing events.
   IterationTimes collect_times();
+  // The parameters found unused by the last forward that prepared a synchronized backward
+  // (torch's `unused_parameters_`, which its logging data sums): with find_unused_parameters,
+  // those its outputs cannot reach; with a static graph, those whose gradient this rank did not
+  // compute in the first iteration (from its end on); otherwise none.
+  std::vector<int64_t> unused_parameters() const;
+  // The message of the last usage check that failed (LEANDDP_USAGE_CHECK: a parameter without
+  // a gradient, a gradient twice, a dense/sparse mismatch) since the previous call, or nullopt.
+  // torch's DDP records its reducer's checks in its logging data (has_error, error) as they
+  // raise; the Python logger records these when it next looks.
+  std::optional<std::string> take_usage_error();
 
  private:
   // The post hook of parameter `index`'s gradient accumulator: runs after each accumulation.
@@ -277,6 +297,8 @@ class Reducer {
   bool steps_in_hooks() const;
   // Rethrows the exception being handled with `what` failed, and what that usually means.
   [[noreturn]] void rethrow_collective_error(const std::string& what) const;
+  // Records `message` for take_usage_error() and raises it (see LEANDDP_USAGE_CHECK).
+  [[noreturn]] void usage_error(const std::string& message) const;
   // check_for_nan_in_grad: checks the reduced buckets `indices` (one device synchronization for
   // all) and remembers the first holding a NaN or infinity, with its offending parameters. Every
   // rank holds the same reduced values, so every rank finds the same bucket.
@@ -473,6 +495,11 @@ class Reducer {
   std::vector<int32_t> static_used_;    // static graph: used on any rank in the first iteration
   std::vector<char> grad_was_view_;     // we set param.grad to its bucket view
   IterationTimer timer_;                // sampled iterations' moments (torch's logging data)
+  // unused_parameters(): set by each prepare_for_backward() that searches the graph, and by the
+  // end of a static graph's first iteration.
+  std::vector<int64_t> found_unused_;
+  // take_usage_error(): set by usage_error(), cleared when taken.
+  mutable std::optional<std::string> usage_error_;
   // Per parameter: param.grad is its bucket view since a synchronized backward (or a rebuild)
   // left it so, not since a no_sync() backward put it there. torch's reducer finds such a
   // gradient aliasing its bucket and divides it in place by the world size; any other gradient

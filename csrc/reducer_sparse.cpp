@@ -61,10 +61,12 @@ std::string message_of(const std::exception& e) {
 }  // namespace
 
 void Reducer::check_dense_grad(size_t index, const at::Tensor& grad) const {
-  TORCH_CHECK(!grad.is_sparse(), "leanddp.DistributedDataParallel: parameter ", names_[index],
-              " received a sparse gradient, but only parameters of nn.Embedding and "
-              "nn.EmbeddingBag modules built with sparse=True are reduced as sparse tensors "
-              "(torch's DDP has the same rule); give this parameter dense gradients.");
+  LEANDDP_USAGE_CHECK(!grad.is_sparse(), "leanddp.DistributedDataParallel: parameter ",
+                      names_[index],
+                      " received a sparse gradient, but only parameters of nn.Embedding and "
+                      "nn.EmbeddingBag modules built with sparse=True are reduced as sparse "
+                      "tensors (torch's DDP has the same rule); give this parameter dense "
+                      "gradients.");
 }
 
 void Reducer::launch_sparse(size_t bucket_index) {
@@ -77,12 +79,13 @@ void Reducer::launch_sparse(size_t bucket_index) {
   if (!grad.defined()) {
     grad = empty_sparse_like(params_[p]);  // no gradient on this rank: contribute nothing
   } else {
-    TORCH_CHECK(grad.is_sparse(), "leanddp.DistributedDataParallel: parameter ", names_[p],
-                " belongs to a module with sparse=True, so its gradient is reduced as a sparse "
-                "tensor, but param.grad holds a ",
-                grad.layout(),
-                " tensor (was it replaced?). Leave the gradient autograd produced, or set it to "
-                "None.");
+    LEANDDP_USAGE_CHECK(
+        grad.is_sparse(), "leanddp.DistributedDataParallel: parameter ", names_[p],
+        " belongs to a module with sparse=True, so its gradient is reduced as a sparse "
+        "tensor, but param.grad holds a ",
+        grad.layout(),
+        " tensor (was it replaced?). Leave the gradient autograd produced, or set it to "
+        "None.");
   }
   if (!comm_hook_) grad.div_(div_factor_);  // in place, as torch's reducer does
   bucket.sparse_grad = grad;

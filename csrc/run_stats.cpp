@@ -22,7 +22,6 @@ void IterationTimer::start(bool sampled, const c10::Device& device) {
   complete_ = false;
   marked_.fill(false);
   order_.clear();
-  unused_.clear();
   device_.reset();
   if (device.is_cuda()) device_ = device;  // (CUDA timing events; not under host ordering)
   mark(kForwardStart);
@@ -52,8 +51,6 @@ IterationTimes IterationTimer::collect() {
   out.host_ns = host_ns_;
   out.grad_ready_order = std::move(order_);
   order_.clear();
-  out.unused = std::move(unused_);
-  unused_.clear();
   // A moment never reached (nothing was reduced) gives 0.
   auto span = [&](Moment from, Moment to) -> int64_t {
     if (!marked_[from] || !marked_[to]) return 0;

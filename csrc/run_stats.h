@@ -33,7 +33,6 @@ struct IterationTimes {
   int64_t backward_comm = 0;              // first reduction launched -> every reduction collected
   int64_t overlap = 0;                    // first reduction launched -> last gradient ready
   std::vector<int64_t> grad_ready_order;  // parameter indices, in the order they became ready
-  std::vector<int64_t> unused;            // parameters found unused in that iteration
 };
 
 class IterationTimer {
@@ -56,10 +55,6 @@ class IterationTimer {
   void ready(int64_t index) {
     if (active_) order_.push_back(index);
   }
-  // The parameters found unused in the iteration being measured (before kBackwardCommEnd).
-  void note_unused(const std::vector<int64_t>& unused) {
-    if (active_) unused_ = unused;
-  }
   // Returns the last measured iteration whose communication ended (valid=false if none since
   // the previous call) and forgets it; on a GPU waits for its events.
   IterationTimes collect();
@@ -72,7 +67,6 @@ class IterationTimer {
   std::array<int64_t, 5> host_ns_{};
   std::array<std::optional<c10::Event>, 5> events_;  // created at the first sampled GPU forward
   std::vector<int64_t> order_;
-  std::vector<int64_t> unused_;
 };
 
 }  // namespace leanddp

@@ -309,3 +309,28 @@ def test_sparse_reduction_runs_alone_on_the_process_group() -> None:
     csrc/reducer_sparse.cpp): a sparse bucket is launched only once every earlier reduction
     completed, and the next only once it completed, while dense reductions still overlap."""
     run_ranks(2, _sparse_alone)
+
+
+def _sparse_on_one_rank(rank: int, world_size: int) -> None:
+    module = SparseNet()
+    if rank == 1:
+        module.emb.sparse = False  # the same parameters, dense gradients on this rank only
+    with pytest.raises(
+        ValueError,
+        match=r"parameter #2 is 'emb.weight' \[30, 6\] torch.float32 with sparse gradients on "
+        r"rank 0 but 'emb.weight' \[30, 6\] torch.float32 with dense gradients on rank 1\. "
+        r"Build the module with the same sparse= on every rank",
+    ):
+        leanddp.DistributedDataParallel(module)
+    # every rank raised after the same collectives: the next one matches across ranks
+    value = torch.tensor([rank + 1.0])
+    dist.all_reduce(value)
+    assert value.item() == world_size * (world_size + 1) / 2
+
+
+def test_sparse_on_some_ranks_only_raises_at_construction() -> None:
+    """A module built with sparse=True on some ranks only: every rank raises at construction,
+    naming the parameter. (torch's DDP 2.14 does not compare the kind of gradient: it
+    constructs, and its first backward runs a sparse allreduce on one rank against a dense
+    one on the other, which gloo aborts the process on.)"""
+    run_ranks(2, _sparse_on_one_rank)

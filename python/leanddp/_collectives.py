@@ -7,7 +7,7 @@ so a broadcast of hundreds of parameters is a handful of collectives.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,24 +68,39 @@ def _all_gather_bytes(data: bytes, device: torch.device, group: dist.ProcessGrou
     return [bytes(t[:n].tolist()) for t, n in zip(gathered, lengths, strict=True)]
 
 
+def _describe(entry: list) -> str:
+    name, shape, dtype, sparse = entry
+    return f"{name!r} {shape} {dtype} with {'sparse' if sparse else 'dense'} gradients"
+
+
 def verify_same_parameters(
-    named: Sequence[tuple[str, Tensor]], group: dist.ProcessGroup, device: torch.device
+    named: Sequence[tuple[str, Tensor]],
+    group: dist.ProcessGroup,
+    device: torch.device,
+    sparse_names: Collection[str] = (),
 ) -> None:
-    """Raises ValueError on every rank, naming the first parameter whose name, shape or dtype
-    differs from rank 0's (or the count, if the ranks hold different numbers of parameters).
-    The collectives run on ``device``, the module's."""
-    mine = [[name, list(p.shape), str(p.dtype)] for name, p in named]
+    """Raises ValueError on every rank, naming the first parameter whose name, shape, dtype or
+    kind of gradient (sparse for those in ``sparse_names``, of modules with ``sparse=True``)
+    differs from rank 0's, or the count if the ranks hold different numbers of parameters.
+    (torch's DDP does not compare the kind of gradient: its first backward then runs mismatched
+    collectives, which abort the process on gloo.) The collectives run on ``device``, the
+    module's."""
+    mine = [[name, list(p.shape), str(p.dtype), name in sparse_names] for name, p in named]
     gathered = _all_gather_bytes(json.dumps(mine).encode(), device, group)
     everyone = [json.loads(b) for b in gathered]
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
         for i, (ref, other) in enumerate(zip(reference, theirs, strict=False)):
             if ref != other:
+                hint = (
+                    "Build the module with the same sparse= on every rank."
+                    if ref[:3] == other[:3]
+                    else "Wrap the same model on every rank."
+                )
                 raise ValueError(
                     "leanddp.DistributedDataParallel: the model differs across ranks: "
-                    f"parameter #{i} is {ref[0]!r} {ref[1]} {ref[2]} on rank 0 but "
-                    f"{other[0]!r} {other[1]} {other[2]} on rank {rank}. Wrap the same "
-                    "model on every rank."
+                    f"parameter #{i} is {_describe(ref)} on rank 0 but {_describe(other)} on "
+                    f"rank {rank}. {hint}"
                 )
         if len(reference) != len(theirs):
             raise ValueError(

@@ -8,7 +8,10 @@ and code that checks ``isinstance(bucket, dist.GradBucket)`` work unchanged.
 The buffer holds this rank's gradients, not yet divided by the world size: the hook averages,
 as torch's hooks do. Its future's value (a tensor, or a list holding one) is copied back into
 the bucket, whose slices are the parameters' gradients. As in torch, ``bucket.set_buffer(t)``
-replaces the tensor the GradBucket hands out (it does not copy into the bucket).
+replaces the tensor the GradBucket hands out (it does not copy into the bucket). A hook that
+returns something other than a future raises torch's ``RuntimeError`` ("DDP communication
+hook's callback must return a torch.futures.Future object, but got ...") from ``backward()``,
+when its bucket is launched, as torch's DDP does.
 
 A parameter with sparse gradients (``nn.Embedding(sparse=True)``) has a bucket of its own whose
 buffer is its sparse gradient, as in torch: the future must hold a sparse tensor of the
@@ -37,6 +40,12 @@ def builtin_hook(kind: Any) -> Callable[[Any, dist.GradBucket], torch.futures.Fu
     if kind == dist.BuiltinCommHookType.FP16_COMPRESS:
         return default_hooks.fp16_compress_hook
     return None
+
+
+def _qualified_name(cls: type) -> str:
+    """A type's name as torch's DDP writes it in its hook errors (``torch.Tensor``, ``int``)."""
+    module = cls.__module__
+    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
 def make_launcher(
@@ -83,9 +92,12 @@ def make_launcher(
                     f"with sparse=False. The error: {e}"
                 ) from e
         if not isinstance(future, torch._C.Future):  # torch.futures.Future and c10d's futures
-            raise TypeError(
-                "leanddp.DistributedDataParallel: a communication hook must return a "
-                f"torch.futures.Future, got {type(future).__name__}"
+            raise RuntimeError(
+                "DDP communication hook's callback must return a torch.futures.Future object, "
+                f"but got {_qualified_name(type(future))}. (leanddp.DistributedDataParallel: "
+                f"the hook {getattr(hook, '__qualname__', repr(hook))} returned it for bucket "
+                f"{index}; return the future of an asynchronous collective, as "
+                "dist.all_reduce(..., async_op=True).get_future().)"
             )
         return future
 

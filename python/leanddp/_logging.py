@@ -10,6 +10,18 @@ Sampling follows torch: the first :data:`ALWAYS_SAMPLED` iterations and then eve
 ``_set_ddp_runtime_logging_sample_rate``) are measured by the C++ Reducer (host clock on the CPU,
 timing events on a GPU, read here, at the next synchronized forward); the statistics of an
 iteration are logged at the start of the next one, as torch does.
+
+Two keys follow torch's C++ Logger in less obvious ways:
+
+* ``can_set_static_graph``: torch logs it once per process (a ``once_flag`` shared by every
+  DDP), by the first wrapper with ``find_unused_parameters`` (no static graph) whose set of
+  unused parameters changes after its first iteration (0, and ``iteration`` is set to the current
+  one), or by the first wrapper destroyed (which uses the flag up unseen). leanddp's wrappers
+  share a flag of their own.
+* ``has_error``/``error``: besides the errors raised from Python (``"<class>: <message>"``), the
+  Reducer's checks of how it is used that fail inside backward (torch's ``REDUCER_CHECK``:
+  a gradient missing or received twice, a dense/sparse mismatch) are recorded with their message
+  alone, as torch records them, and ``iteration`` is set to the current one.
 """
 
 from __future__ import annotations
@@ -91,12 +103,37 @@ def _gloo_threads(group: dist.ProcessGroup) -> int:
 class DDPLogger:
     """The logging data of one wrapper, with torch's keys (strings and ints in one dict)."""
 
+    _graph_static_logged = False
+    """Whether a wrapper of this process has logged ``can_set_static_graph`` (torch's
+    process-wide ``once_flag``; see the module's docstring)."""
+
     def __init__(self) -> None:
         self.sample_rate = DEFAULT_SAMPLE_RATE
         self.num_iterations = 0
         """torch's reducer ``num_iterations_``: forwards that prepared a synchronized backward."""
         self.data: dict[str, Any] = {}
         self._stats_recorded = 0
+        self._graph_static = True
+        """torch's reducer ``ddp_graph_static_``: no change seen in the set of unused
+        parameters from one iteration to the next."""
+        self._prev_unused: list[int] = []
+        self._reducer: Any = None  # attach(): whose usage errors and unused parameters to read
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_reducer"] = None  # (the unpickled wrapper attaches its new Reducer)
+        return state
+
+    def __del__(self) -> None:
+        # torch's Logger logs whether the graph stayed static when it is destroyed (after
+        # construction), which uses up the process's flag.
+        if self.data:
+            self._log_if_graph_static(self._graph_static)
+
+    def attach(self, reducer: Any) -> None:
+        """Reads ``reducer``'s failed usage checks and unused parameters from now on; called
+        whenever the wrapper builds its Reducer."""
+        self._reducer = reducer
 
     def set_construction_data(self, ddp: Any) -> None:
         """Records the constructor's arguments, the parameters, the buckets and the
@@ -147,20 +184,42 @@ class DDPLogger:
         the last iteration's statistics if it was sampled, counts this iteration and tells the
         Reducer whether to measure it (torch's ``set_runtime_stats_and_log`` and
         ``prepare_for_forward``)."""
+        self._record_usage_error()  # (with the iteration it was raised in)
         if self._sampled(self.num_iterations):
             self._log_runtime(ddp)
         self.num_iterations += 1
         ddp.reducer.time_iteration(self._sampled(self.num_iterations))
+
+    def after_search(self, ddp: Any) -> None:
+        """After a forward's search for unused parameters (find_unused_parameters without a
+        static graph): torch's check that the graph could be declared static. The first change
+        of the set of unused parameters after the first iteration logs
+        ``can_set_static_graph`` = 0 (once per process)."""
+        if not self._graph_static:
+            return
+        unused = ddp.reducer.unused_parameters()
+        if self.num_iterations > 1 and unused != self._prev_unused:
+            self._graph_static = False
+            self._log_if_graph_static(False)
+        self._prev_unused = unused
+
+    def _log_if_graph_static(self, is_static: bool) -> None:
+        if DDPLogger._graph_static_logged:
+            return
+        DDPLogger._graph_static_logged = True
+        self.data["can_set_static_graph"] = int(is_static)
+        self.data["iteration"] = self.num_iterations  # (torch's: where training got to)
 
     def _log_runtime(self, ddp: Any) -> None:
         d = self.data
         self._stats_recorded += 1
         d["iteration"] = self.num_iterations
         times = ddp.reducer.collect_times()
-        unused = times["unused"] if times is not None else []
         params = ddp._params
+        # torch's: the parameters found unused by the last synchronized forward (its reducer's
+        # unused_parameters_), summed afresh at each sampled iteration
         d["unused_parameter_size"] = sum(
-            params[i].numel() * params[i].element_size() for i in unused
+            params[i].numel() * params[i].element_size() for i in ddp.reducer.unused_parameters()
         )
         rebuilt = int(ddp.reducer.has_rebuilt_buckets())
         if d.setdefault("has_rebuilt_buckets", 0) != rebuilt:
@@ -196,10 +255,25 @@ class DDPLogger:
 
     def set_error_and_log(self, error: str) -> None:
         """Records a user-facing error, ``"<exception type>: <message>"`` as torch's DDP
-        writes it (``has_error`` and ``error``)."""
+        writes it (``has_error`` and ``error``), and the iteration it was raised in."""
+        self._record_usage_error()  # (raised before this one)
+        self._set_error(error)
+
+    def _set_error(self, error: str) -> None:
         self.data["has_error"] = 1
         self.data["error"] = error
+        self.data["iteration"] = self.num_iterations
+
+    def _record_usage_error(self) -> None:
+        """Records the Reducer's last failed usage check, if one failed since the last look
+        (its message alone, as torch's logger records its reducer's checks). Called before
+        anything else is recorded and before ``num_iterations`` changes, so the error and its
+        iteration are what torch's logger would hold."""
+        error = self._reducer.take_usage_error() if self._reducer is not None else None
+        if error is not None:
+            self._set_error(error)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """A copy of the logging data (torch's strings and ints in one dict)."""
+        self._record_usage_error()
         return dict(self.data)

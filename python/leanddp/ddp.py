@@ -68,8 +68,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     ``optimizer_in_backward``.
 
     Construction broadcasts parameters and buffers from rank 0 and checks that every rank
-    holds the same parameters (a collective every rank must enter), unless
-    ``init_sync=False``.
+    holds the same parameters, with the same kind of gradient (dense or sparse), a collective
+    every rank must enter, unless ``init_sync=False``.
     """
 
     def __init__(
@@ -162,7 +162,10 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             )
         if config.init_sync:
             verify_same_parameters(
-                self._named_trainable, self.process_group, self._named_trainable[0][1].device
+                self._named_trainable,
+                self.process_group,
+                self._named_trainable[0][1].device,
+                set(config.sparse_names),
             )
             state = [
                 p for name, p in module.named_parameters() if name not in self.parameters_to_ignore
@@ -258,6 +261,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         # group, its in-flight works and its Python hook and stepper, while every thread can
         # still take the GIL, so none of them is torn down during interpreter finalization.
         weakref.finalize(self, self.reducer.close)
+        self.logger.attach(self.reducer)
         if self._in_backward is not None:
             self._in_backward.attach(self.reducer)
         if self._in_backward is not None:
@@ -297,6 +301,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 self.require_forward_param_sync = True
                 track = self.find_unused_parameters and not self.static_graph
                 self.reducer.prepare_for_backward(list(_find_tensors(output)) if track else [])
+                if track:
+                    self.logger.after_search(self)
             else:
                 self.require_forward_param_sync = False
             return output
