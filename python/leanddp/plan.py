@@ -44,7 +44,8 @@ def shape_of(
     parameter count in buckets of the cap. ``dtype``: the parameters' (default: the module's,
     or float32 for a count); ``bucket_cap_mb``: as DistributedDataParallel takes it;
     ``first_layout``: the buckets as first built (registration order; the configurations that
-    keep them, ``Mode.keeps_first_layout``) rather than as rebuilt in gradient order."""
+    keep them, ``Mode.keeps_first_layout``) rather than as rebuilt in gradient order. A
+    module with parameters of several dtypes is counted at the widest (an upper bound)."""
     caps = list(_caps(bucket_cap_mb, None))
     if isinstance(model, bool) or not isinstance(model, (int, nn.Module)):
         raise TypeError(f"model must be an nn.Module or a parameter count, got {type(model)}")
