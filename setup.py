@@ -106,13 +106,10 @@ _cuda_home = _find_cuda_home()
 if _cuda_home:
     os.environ["CUDA_HOME"] = _cuda_home
 
-if SDIST_ONLY:  # everything the build reads is listed in MANIFEST.in; no torch is imported
-    setup(install_requires=[f"torch{SUPPORTED_TORCH}"])
-    sys.exit(0)
-
-check_build_torch(str(ROOT), sys.argv)  # before anything else of torch is imported
-import torch  # noqa: E402
-from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+if not SDIST_ONLY:  # (a source distribution needs no torch: MANIFEST.in lists what it holds)
+    check_build_torch(str(ROOT), sys.argv)  # before anything else of torch is imported
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
 
 def _want_cuda() -> bool:
@@ -194,8 +191,11 @@ def _extension():
     )
 
 
-setup(
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension},
-    install_requires=[f"torch=={torch.__version__.split('+')[0]}"],
-)
+if SDIST_ONLY:
+    setup(install_requires=[f"torch{SUPPORTED_TORCH}"])
+else:
+    setup(
+        ext_modules=[_extension()],
+        cmdclass={"build_ext": BuildExtension},
+        install_requires=[f"torch=={torch.__version__.split('+')[0]}"],
+    )
