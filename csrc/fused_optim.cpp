@@ -1,5 +1,7 @@
 #include "fused_optim.h"
 
+#include "ops/cpu_kernels.h"  // adam_tail_start
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
@@ -157,10 +159,10 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
       // (the whole parameter's numel; the width of the dtype stepped, the host masters' with
       // offload_to_cpu)
       const int64_t numel = params_[static_cast<size_t>(bucket.params[s])].numel();
-      const int64_t width = 32 / static_cast<int64_t>(targets.params[s].element_size());
+      const int64_t tail = ops::adam_tail_start(numel, targets.params[s].element_size());
       members.push_back({s, cut(targets.params[s]), cut(targets.grads[s]),
                          with_copies ? cut(targets.copies[s]) : at::Tensor(), piece.shard_offset,
-                         numel - numel % width - piece.slot_offset});
+                         tail - piece.slot_offset});
     }
   } else {
     for (size_t s = 0; s < mask.size(); ++s) {

@@ -42,4 +42,10 @@ struct CpuLoops {
 // The loops for this CPU.
 const CpuLoops& cpu_loops();
 
+// Where the tail of a tensor of `numel` elements of `element_size` bytes starts: torch's fused
+// CPU Adam steps whole 32-byte vectors, then the remaining elements in its scalar loop.
+inline int64_t adam_tail_start(int64_t numel, int64_t element_size) {
+  return numel - numel % (32 / element_size);
+}
+
 }  // namespace leanddp::ops

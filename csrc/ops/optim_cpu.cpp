@@ -169,12 +169,12 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   // Where each tensor's tail starts: torch's kernel steps whole 32-byte vectors of the
   // parameters' dtype with its vector arithmetic (AVX2; with AVX-512 its 64-byte vectors, then
   // its compiler vectorizes the scalar loop 32 bytes at a time), the rest in its scalar loop.
-  const int64_t width = 32 / static_cast<int64_t>(params[0].element_size());
   // A piece of a larger tensor (tail_from) takes the larger tensor's tail.
   std::vector<int64_t> tail(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     const int64_t n = params[i].numel();
-    tail[i] = tail_from.has_value() ? std::clamp<int64_t>((*tail_from)[i], 0, n) : n - n % width;
+    tail[i] = tail_from.has_value() ? std::clamp<int64_t>((*tail_from)[i], 0, n)
+                                    : adam_tail_start(n, params[i].element_size());
   }
   // fp16: one pass over the tensors' own memory, where the instruction set converts fp16
   const auto one_pass = [&](auto loop, auto* type) {
