@@ -119,15 +119,17 @@ class Shape:
         unit = SHARD_ALIGN_BYTES * world
         return tuple((math.ceil(b / unit) * unit, n) for b, n in self.buckets)
 
+    @classmethod
+    def filled(cls, numel: int, element_size: int, tensors: int, cap: int) -> Shape:
+        """``numel`` elements in full buckets of ``cap`` bytes and one with the rest."""
+        total = numel * element_size
+        full, rest = divmod(total, cap) if cap else (0, total)
+        buckets = (((cap, full),) if full else ()) + (((rest, 1),) if rest else ())
+        return cls(numel, element_size, tensors, buckets)
+
     def scaled(self, numel: int) -> Shape:
         """The same shape with ``numel`` elements: as many tensors, buckets of its largest size."""
-        cap = self.largest_bucket
-        total = numel * self.element_size
-        full, rest = divmod(total, cap) if cap else (0, total)
-        buckets = ((cap, full),) if full else ()
-        return Shape(
-            numel, self.element_size, self.tensors, buckets + (((rest, 1),) if rest else ())
-        )
+        return Shape.filled(numel, self.element_size, self.tensors, self.largest_bucket)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,9 +53,7 @@ def shape_of(
         if model < 1:
             raise ValueError(f"model: a parameter count must be positive, got {model}")
         size = torch.empty((), dtype=dtype or torch.float32).element_size()
-        full, rest = divmod(model * size, caps[-1])
-        buckets = (((caps[-1], full),) if full else ()) + (((rest, 1),) if rest else ())
-        return _memory.Shape(model, size, 1, buckets)
+        return _memory.Shape.filled(model, size, 1, caps[-1])
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameters")
