@@ -139,6 +139,35 @@ std::vector<leanddp::OptimHyper> to_hypers(const std::vector<py::dict>& groups) 
   return out;
 }
 
+// What Reducer.set_optimizer takes from Python (_C.OptimizerSetup): the fused optimizer's kind
+// ("sgd", "adam", or "" for none), each parameter's group, the groups as torch's param_group
+// dicts (the keys leanddp.optim sets), the device of the step counts, and the Python step of
+// the buckets the fused kernels do not cover.
+struct OptimizerSetup {
+  std::string kind;
+  std::vector<int64_t> group_of;
+  std::vector<py::dict> groups;
+  std::string step_device = "cpu";
+  py::object fallback = py::none();
+};
+
+// The Reducer's OptimizerSpec for `setup` (with the GIL: it wraps Python objects).
+leanddp::OptimizerSpec to_spec(const leanddp::Reducer& reducer, const OptimizerSetup& setup) {
+  leanddp::OptimizerSpec spec;
+  if (!setup.kind.empty()) {
+    TORCH_CHECK(setup.kind == "sgd" || setup.kind == "adam", "set_optimizer: unknown kind ",
+                setup.kind);
+    spec.kind = setup.kind == "sgd" ? leanddp::OptimKind::kSgd : leanddp::OptimKind::kAdam;
+  }
+  spec.group_of = setup.group_of;
+  spec.groups = to_hypers(setup.groups);
+  spec.step_device = c10::Device(setup.step_device);
+  // (offload_to_cpu steps every bucket on the host: no Python step to hold)
+  if (!reducer.options().offload_to_cpu)
+    spec.fallback = std::make_unique<PyStepper>(setup.fallback);
+  return spec;
+}
+
 // The step window's decision unit (step_window.h), for the tests that drive it directly.
 void bind_step_window(py::module_& m) {
   using leanddp::StepWindow;
@@ -199,36 +228,44 @@ void bind_reducer(py::module_& m) {
       .def_readonly("master_bytes", &leanddp::OffloadStats::master_bytes)
       .def_readonly("host_buffer_bytes", &leanddp::OffloadStats::host_buffer_bytes)
       .def_readonly("pinned_bytes", &leanddp::OffloadStats::pinned_bytes);
+  py::enum_<leanddp::NanCheck>(m, "NanCheck")
+      .value("off", leanddp::NanCheck::kOff)
+      .value("on", leanddp::NanCheck::kOn)
+      .value("strict", leanddp::NanCheck::kStrict);
+  using leanddp::ReducerOptions;
+  py::class_<ReducerOptions>(m, "ReducerOptions", "The Reducer's settings (csrc/reducer.h).")
+      .def(py::init<>())
+      .def_readwrite("caps_bytes", &ReducerOptions::caps_bytes)
+      .def_readwrite("initial_caps_bytes", &ReducerOptions::initial_caps_bytes)
+      .def_readwrite("gradient_as_bucket_view", &ReducerOptions::gradient_as_bucket_view)
+      .def_readwrite("find_unused_parameters", &ReducerOptions::find_unused_parameters)
+      .def_readwrite("static_graph", &ReducerOptions::static_graph)
+      .def_readwrite("step_in_backward", &ReducerOptions::step_in_backward)
+      .def_readwrite("expect_sparse", &ReducerOptions::expect_sparse)
+      .def_readwrite("buckets_in_flight", &ReducerOptions::buckets_in_flight)
+      .def_readwrite("nan_check", &ReducerOptions::nan_check)
+      .def_readwrite("shard_optimizer_state", &ReducerOptions::shard_optimizer_state)
+      .def_readwrite("offload_to_cpu", &ReducerOptions::offload_to_cpu)
+      .def_readwrite("offload_threads", &ReducerOptions::offload_threads)
+      .def_readwrite("max_grad_norm", &ReducerOptions::max_grad_norm);
+  py::class_<OptimizerSetup>(m, "OptimizerSetup",
+                             "What Reducer.set_optimizer needs (optimizer_in_backward).")
+      .def(py::init<>())
+      .def_readwrite("kind", &OptimizerSetup::kind)
+      .def_readwrite("group_of", &OptimizerSetup::group_of)
+      .def_readwrite("groups", &OptimizerSetup::groups)
+      .def_readwrite("step_device", &OptimizerSetup::step_device)
+      .def_readwrite("fallback", &OptimizerSetup::fallback);
   py::class_<Reducer>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
-                       const py::object& process_group, std::vector<int64_t> caps_bytes,
-                       bool gradient_as_bucket_view, bool find_unused_parameters, bool static_graph,
-                       bool step_in_backward, int nan_check, std::vector<bool> expect_sparse,
-                       std::vector<int64_t> initial_caps_bytes, bool shard_optimizer_state,
-                       std::optional<double> max_grad_norm) {
-             TORCH_CHECK(nan_check >= 0 && nan_check <= 2, "Reducer: nan_check must be 0, 1 or 2");
+                       const py::object& process_group, leanddp::ReducerOptions options) {
              auto pg = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
-             leanddp::ReducerOptions options;
-             options.caps_bytes = std::move(caps_bytes);
-             options.gradient_as_bucket_view = gradient_as_bucket_view;
-             options.find_unused_parameters = find_unused_parameters;
-             options.static_graph = static_graph;
-             options.step_in_backward = step_in_backward;
-             options.nan_check = static_cast<leanddp::NanCheck>(nan_check);
-             options.expect_sparse = std::move(expect_sparse);
-             options.initial_caps_bytes = std::move(initial_caps_bytes);
-             options.shard_optimizer_state = shard_optimizer_state;
-             options.max_grad_norm = max_grad_norm;
              py::gil_scoped_release no_gil;
              return std::make_unique<Reducer>(std::move(params), std::move(names), std::move(pg),
                                               std::move(options));
            }),
-           py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("caps_bytes"),
-           py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"),
-           py::arg("static_graph"), py::arg("step_in_backward") = false, py::arg("nan_check") = 0,
-           py::arg("expect_sparse") = std::vector<bool>{},
-           py::arg("initial_caps_bytes") = std::vector<int64_t>{},
-           py::arg("shard_optimizer_state") = false, py::arg("max_grad_norm") = py::none())
+           py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("options"))
+      .def_property_readonly("options", &Reducer::options)
       .def("prepare_for_forward", &Reducer::prepare_for_forward,
            py::call_guard<py::gil_scoped_release>())
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
@@ -251,31 +288,33 @@ void bind_reducer(py::module_& m) {
           py::arg("launch"))
       .def(
           "set_optimizer",
-          [](Reducer& self, const std::string& kind, std::vector<at::Tensor> params,
-             std::vector<int64_t> group_of, const std::vector<py::dict>& groups,
+          [](Reducer& self, const OptimizerSetup& setup) {
+            leanddp::OptimizerSpec spec = to_spec(self, setup);
+            py::gil_scoped_release no_gil;
+            self.set_optimizer(std::move(spec));
+          },
+          py::arg("setup"))
+      .def(
+          "set_optimizer",
+          [](Reducer& self, const std::string& kind, const std::vector<at::Tensor>& params,
+             std::vector<int64_t> group_of, std::vector<py::dict> groups,
              const std::string& step_device, py::object fallback, bool offload, int offload_threads,
              std::optional<double> max_grad_norm) {
-            std::unique_ptr<leanddp::FusedOptimizer> fused;
-            if (!kind.empty()) {
-              TORCH_CHECK(kind == "sgd" || kind == "adam", "set_optimizer: unknown kind ", kind);
-              fused = std::make_unique<leanddp::FusedOptimizer>(
-                  kind == "sgd" ? leanddp::OptimKind::kSgd : leanddp::OptimKind::kAdam, params,
-                  std::move(group_of), to_hypers(groups), c10::Device(step_device), offload);
-            }
-            if (offload) {
-              TORCH_CHECK(fused, "set_optimizer: offload_to_cpu needs a fused optimizer kind");
-              leanddp::OffloadOptions options;
-              options.threads = offload_threads;
-              options.max_grad_norm = max_grad_norm;
-              auto host = std::make_unique<leanddp::HostOffload>(std::move(params),
-                                                                 std::move(fused), options);
-              py::gil_scoped_release no_gil;
-              self.set_optimizer(nullptr, nullptr, std::move(host));
-              return;
-            }
-            auto stepper = std::make_unique<PyStepper>(std::move(fallback));
+            // The positional form: offload_to_cpu and its settings are the Reducer's options,
+            // which these must repeat.
+            const leanddp::ReducerOptions& options = self.options();
+            TORCH_CHECK(offload == options.offload_to_cpu &&
+                            (!offload || (offload_threads == options.offload_threads &&
+                                          max_grad_norm == options.max_grad_norm)),
+                        "Reducer.set_optimizer: offload_to_cpu, offload_threads and "
+                        "max_grad_norm are the Reducer's options (ReducerOptions)");
+            TORCH_CHECK(params.size() == group_of.size(),
+                        "Reducer.set_optimizer: one group per parameter");
+            OptimizerSetup setup{kind, std::move(group_of), std::move(groups), step_device,
+                                 std::move(fallback)};
+            leanddp::OptimizerSpec spec = to_spec(self, setup);
             py::gil_scoped_release no_gil;
-            self.set_optimizer(std::move(fused), std::move(stepper));
+            self.set_optimizer(std::move(spec));
           },
           py::arg("kind"), py::arg("params"), py::arg("group_of"), py::arg("groups"),
           py::arg("step_device"), py::arg("fallback"), py::arg("offload") = false,

@@ -56,9 +56,11 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   TORCH_CHECK(!options_.shard_optimizer_state || options_.nan_check == NanCheck::kOff,
               "leanddp.DistributedDataParallel: check_for_nan_in_grad is not supported with "
               "shard_optimizer_state");
-  TORCH_CHECK(!options_.max_grad_norm || options_.shard_optimizer_state,
-              "Reducer: max_grad_norm (here) is for shard_optimizer_state; offload_to_cpu clips "
-              "on the host");
+  TORCH_CHECK(!options_.offload_to_cpu || options_.step_in_backward,
+              "leanddp.DistributedDataParallel: offload_to_cpu needs optimizer_in_backward");
+  TORCH_CHECK(!options_.max_grad_norm || options_.shard_optimizer_state || options_.offload_to_cpu,
+              "leanddp.DistributedDataParallel: max_grad_norm needs offload_to_cpu or "
+              "shard_optimizer_state");
   if (window_.device_ordered()) {
     const c10::Device device = params_.front().device();
     events_ = std::make_unique<EventPool>(device.type());
@@ -472,7 +474,7 @@ void Reducer::finalize() {
         for (size_t b : unstepped) collect_reduced(b);
         check_finite(unstepped);  // before any step: a NaN leaves every weight as it was
       }
-      if (options_.max_grad_norm) clip_shards();
+      if (clips_on_device()) clip_shards();
       advance_steps(StepWindow::Phase::kEnd, &used);  // (checks each bucket before its step)
       finish_gathers();
       // The caller's stream (where the loop goes on after backward) sees the stepped weights;

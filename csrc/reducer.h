@@ -116,10 +116,29 @@ struct ReducerOptions {
   // for, its shard only, then the stepped shards are all-gathered into the parameters before
   // the bucket is released. No communication hook, NaN check or GradScaler with it.
   bool shard_optimizer_state = false;
-  // shard_optimizer_state: clip the gradients' global 2-norm to this (torch's clip_grad_norm_):
-  // the steps wait for the end of backward, where the squared norms of every rank's shards are
-  // summed by one allreduce of a scalar (on a GPU the host reads it: one synchronization).
+  // offload_to_cpu (with step_in_backward and a fused optimizer kind): set_optimizer builds a
+  // HostOffload that steps every bucket on the host with `offload_threads` threads.
+  bool offload_to_cpu = false;
+  int offload_threads = 1;
+  // offload_to_cpu or shard_optimizer_state: clip the gradients' global 2-norm to this (torch's
+  // clip_grad_norm_). With offload_to_cpu the host steps clip (OffloadOptions); sharded on the
+  // device, the steps wait for the end of backward, where the squared norms of every rank's
+  // shards are summed by one allreduce of a scalar (on a GPU the host reads it: one
+  // synchronization).
   std::optional<double> max_grad_norm;
+};
+
+// What Reducer::set_optimizer needs (optimizer_in_backward): the fused optimizer's kind (none:
+// every bucket goes to `fallback`), its parameter groups, and the device its step counts live
+// on; the parameters are the Reducer's. Whether the steps run on the host, with how many
+// threads and what clipping, is the Reducer's ReducerOptions.
+struct OptimizerSpec {
+  std::optional<OptimKind> kind;
+  std::vector<int64_t> group_of;  // per parameter: its group
+  std::vector<OptimHyper> groups;
+  c10::Device step_device{c10::kCPU};
+  // Steps the buckets the fused kernels do not cover (unused with offload_to_cpu).
+  std::unique_ptr<BucketStepper> fallback;
 };
 
 // Bytes the Reducer accounts for (see Reducer::memory_stats()).
@@ -185,11 +204,12 @@ class Reducer {
   // Replaces the built-in allreduce by `hook` (before the first backward).
   void register_comm_hook(std::unique_ptr<CommHook> hook);
 
-  // optimizer_in_backward (before the first backward): buckets the fused optimizer can step
-  // (`fused`, may be null) are stepped in C++, the others by `fallback`; or, with offload_to_cpu
-  // (`offload` given, the other two null), every bucket is stepped on the host by `offload`.
-  void set_optimizer(std::unique_ptr<FusedOptimizer> fused, std::unique_ptr<BucketStepper> fallback,
-                     std::unique_ptr<HostOffload> offload = nullptr);
+  // optimizer_in_backward (before the first backward): buckets the fused optimizer of
+  // `spec.kind` can step are stepped in C++, the others by `spec.fallback`; or, with
+  // options.offload_to_cpu, every bucket is stepped on the host by a HostOffload built here.
+  void set_optimizer(OptimizerSpec spec);
+  // What the Reducer was built with (static_graph as set since).
+  const ReducerOptions& options() const { return options_; }
   // Called at each forward, and before parameters are read another way: the current stream is
   // ordered after the last backward's device steps (optimizer_in_backward on a GPU; the host does
   // not wait), and the host waits for its host steps (offload_to_cpu) and rethrows an error met
@@ -295,6 +315,9 @@ class Reducer {
   void recover_unfinished();
   // Whether buckets are stepped from the hooks as their reductions finish (else at the end).
   bool steps_in_hooks() const;
+  // max_grad_norm applied by the device steps (shard_optimizer_state without offload_to_cpu,
+  // whose host steps clip): they wait for the end of backward (clip_shards).
+  bool clips_on_device() const { return options_.max_grad_norm && !options_.offload_to_cpu; }
   // Rethrows the exception being handled with `what` failed, and what that usually means.
   [[noreturn]] void rethrow_collective_error(const std::string& what) const;
   // Records `message` for take_usage_error() and raises it (see LEANDDP_USAGE_CHECK).

@@ -78,7 +78,7 @@ void Reducer::recover_unfinished() {
 }
 
 bool Reducer::steps_in_hooks() const {
-  return options_.step_in_backward && !tracks_unused() && !options_.max_grad_norm &&
+  return options_.step_in_backward && !tracks_unused() && !clips_on_device() &&
          !(options_.nan_check == NanCheck::kStrict && !offload_);
 }
 

@@ -149,28 +149,37 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
   if (recycler_) note_peak();  // (kept storage counts as held)
 }
 
-void Reducer::set_optimizer(std::unique_ptr<FusedOptimizer> fused,
-                            std::unique_ptr<BucketStepper> fallback,
-                            std::unique_ptr<HostOffload> offload) {
+void Reducer::set_optimizer(OptimizerSpec spec) {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(options_.step_in_backward,
               "leanddp.DistributedDataParallel: the Reducer was not built for "
               "optimizer_in_backward");
-  TORCH_CHECK(!offload || (!fused && !fallback),
-              "Reducer::set_optimizer: offload_to_cpu steps every bucket on the host");
   check_before_first_backward("the in-backward optimizer may be set");
-  TORCH_CHECK(!options_.shard_optimizer_state || fused || offload,
+  TORCH_CHECK(!options_.shard_optimizer_state || spec.kind,
               "leanddp.DistributedDataParallel: shard_optimizer_state steps every bucket with "
               "the fused optimizer");
-  TORCH_CHECK(!options_.max_grad_norm || !offload,
-              "Reducer: with offload_to_cpu, max_grad_norm is the host's (OffloadOptions)");
+  TORCH_CHECK(!options_.offload_to_cpu || spec.kind,
+              "leanddp.DistributedDataParallel: offload_to_cpu steps every bucket with the fused "
+              "optimizer");
+  std::unique_ptr<FusedOptimizer> fused;
+  if (spec.kind) {
+    fused = std::make_unique<FusedOptimizer>(*spec.kind, params_, std::move(spec.group_of),
+                                             std::move(spec.groups), spec.step_device,
+                                             /*on_host=*/options_.offload_to_cpu);
+  }
+  if (options_.offload_to_cpu) {
+    OffloadOptions host;
+    host.threads = options_.offload_threads;
+    host.max_grad_norm = options_.max_grad_norm;
+    offload_ = std::make_unique<HostOffload>(params_, std::move(fused), host);
+    offload_->set_layout(buckets_, shards_);
+    // The NaN check runs before the host steps: they wait for the end of backward.
+    if (options_.nan_check != NanCheck::kOff) offload_->hold_steps();
+    return;  // (spec.fallback is not needed: the host steps every bucket)
+  }
   fused_ = std::move(fused);
-  fallback_ = std::move(fallback);
-  offload_ = std::move(offload);
+  fallback_ = std::move(spec.fallback);
   if (fused_) fused_->set_shards(shards_);
-  if (offload_) offload_->set_layout(buckets_, shards_);
-  // The NaN check runs before the host steps: they wait for the end of backward.
-  if (offload_ && options_.nan_check != NanCheck::kOff) offload_->hold_steps();
 }
 
 void Reducer::wait_for_steps(bool host_too) {

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 #: torch's default bucket cap, in MiB.
 DEFAULT_BUCKET_CAP_MB = 25
@@ -82,10 +82,28 @@ class DDPConfig:
     True, or ``"strict"`` (with optimizer_in_backward on the device, the steps then wait for the
     end of backward, so a NaN changes no weight)."""
 
-    @property
-    def nan_check(self) -> int:
-        """The Reducer's code for check_for_nan_in_grad: 0 off, 1 on, 2 strict."""
-        return {False: 0, True: 1, "strict": 2}[self.check_for_nan_in_grad]
+    def reducer_options(self, param_names: Sequence[str]) -> Any:
+        """The C++ Reducer's settings (``_C.ReducerOptions``) for the trainable parameters
+        ``param_names``: the one place each of this configuration's settings reaches it."""
+        from ._extension import _C
+
+        options = _C.ReducerOptions()
+        options.caps_bytes = list(self.caps_bytes)
+        options.initial_caps_bytes = list(self.initial_caps_bytes)
+        options.gradient_as_bucket_view = self.gradient_as_bucket_view
+        options.find_unused_parameters = self.find_unused_parameters
+        options.static_graph = self.static_graph
+        options.step_in_backward = self.optimizer_in_backward is not None
+        sparse = set(self.sparse_names)
+        options.expect_sparse = [name in sparse for name in param_names]
+        options.nan_check = {False: _C.NanCheck.off, True: _C.NanCheck.on}.get(
+            self.check_for_nan_in_grad, _C.NanCheck.strict
+        )
+        options.shard_optimizer_state = self.shard_optimizer_state
+        options.offload_to_cpu = self.offload_to_cpu
+        options.offload_threads = self.offload_threads
+        options.max_grad_norm = self.max_grad_norm
+        return options
 
     def without_group(self) -> DDPConfig:
         """A picklable copy (process groups do not pickle)."""
@@ -380,4 +398,32 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
         check_for_nan_in_grad=nan_check,
         sparse_names=sparse_names,
         shard_optimizer_state=shard,
+    )
+
+
+def check_trainable_unchanged(
+    current: Sequence[tuple[str, nn.Parameter]], names: Sequence[str], params: Sequence[Tensor]
+) -> None:
+    """Raises, naming them, if the module's trainable parameters ``current`` (name, parameter)
+    are no longer the wrapped ``params`` (named ``names``), in the same order: parameters were
+    added, removed, replaced or frozen since wrapping, so their gradients would silently not be
+    reduced. Performs no collective."""
+    if len(current) == len(params) and all(
+        p is q for (_, p), q in zip(current, params, strict=True)
+    ):
+        return
+    ours = {id(p) for p in params}
+    now = {id(p) for _, p in current}
+    added = [name for name, p in current if id(p) not in ours]
+    gone = [n for n, p in zip(names, params, strict=True) if id(p) not in now]
+    what = []
+    if added:
+        what.append(f"now trains {', '.join(added)} (added or unfrozen)")
+    if gone:
+        what.append(f"no longer trains {', '.join(gone)} (removed, replaced or frozen)")
+    raise RuntimeError(
+        "leanddp.DistributedDataParallel: the wrapped module "
+        f"{' and '.join(what) or 'trains its parameters in another order'} since it was "
+        "wrapped; their gradients would not be reduced as on the other ranks. Change "
+        "parameters (or requires_grad) before wrapping the module, then wrap it again."
     )

@@ -27,10 +27,15 @@ Two keys follow torch's C++ Logger in less obvious ways:
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from ._config import DDPConfig
 
 #: torch's kDDPRuntimeLoggingSampleRate.
 DEFAULT_SAMPLE_RATE = 100
@@ -117,11 +122,13 @@ class DDPLogger:
         """torch's reducer ``ddp_graph_static_``: no change seen in the set of unused
         parameters from one iteration to the next."""
         self._prev_unused: list[int] = []
-        self._reducer: Any = None  # attach(): whose usage errors and unused parameters to read
+        self._reducer: Any = None  # attach(): the Reducer whose data and errors are read
+        self._params: Sequence[Tensor] = ()  # attach(): its parameters, in its order
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_reducer"] = None  # (the unpickled wrapper attaches its new Reducer)
+        # (the unpickled wrapper attaches its new Reducer)
+        state["_reducer"], state["_params"] = None, ()
         return state
 
     def __del__(self) -> None:
@@ -130,31 +137,32 @@ class DDPLogger:
         if self.data:
             self._log_if_graph_static(self._graph_static)
 
-    def attach(self, reducer: Any) -> None:
-        """Reads ``reducer``'s failed usage checks and unused parameters from now on; called
-        whenever the wrapper builds its Reducer."""
+    def attach(self, reducer: Any, params: Sequence[Tensor]) -> None:
+        """Reads ``reducer`` (a ``_C.Reducer`` over ``params``, in its order) from now on: its
+        buckets, timings, unused parameters and failed usage checks; called whenever the
+        wrapper builds its Reducer."""
         self._reducer = reducer
+        self._params = params
 
-    def set_construction_data(self, ddp: Any) -> None:
-        """Records the constructor's arguments, the parameters, the buckets and the
-        environment (torch's ``set_construction_data_and_log``); called at construction. As in
-        torch, ``comm_hook``, ``static_graph`` and ``join_uneven_inputs`` appear once set, and
-        the runtime keys at the first sampled iteration."""
-        params = ddp._params
-        group = ddp.process_group
+    def set_construction_data(self, module: nn.Module, config: DDPConfig) -> None:
+        """Records the constructor's arguments (``config``), the wrapped ``module``, the
+        parameters, the buckets and the environment (torch's ``set_construction_data_and_log``);
+        called at construction, after :meth:`attach`. As in torch, ``comm_hook``,
+        ``static_graph`` and ``join_uneven_inputs`` appear once set, and the runtime keys at the
+        first sampled iteration."""
+        params = self._params
+        group = config.process_group
         backend = group.name()
         d = self.data
         d.update(
-            module_name=type(ddp.module).__name__,
-            device_ids=", ".join(str(i) for i in (ddp.device_ids or [])),
-            output_device=ddp.output_device if ddp.output_device is not None else -1,
-            broadcast_buffers=int(ddp.forward_sync_buffers),
-            has_sync_bn=int(
-                any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules())
-            ),
-            bucket_cap_bytes=ddp.bucket_bytes_cap,
-            find_unused_parameters=int(ddp.find_unused_parameters),
-            gradient_as_bucket_view=int(ddp.gradient_as_bucket_view),
+            module_name=type(module).__name__,
+            device_ids=", ".join(str(i) for i in (config.device_ids or [])),
+            output_device=config.output_device if config.output_device is not None else -1,
+            broadcast_buffers=int(config.forward_sync_buffers),
+            has_sync_bn=int(any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules())),
+            bucket_cap_bytes=config.caps_bytes[-1],
+            find_unused_parameters=int(config.find_unused_parameters),
+            gradient_as_bucket_view=int(config.gradient_as_bucket_view),
             backend_name=backend,
             rank=group.rank(),
             world_size=group.size(),
@@ -162,7 +170,7 @@ class DDPLogger:
             num_parameter_tensors=len(params),
             total_parameter_size_bytes=sum(p.numel() * p.element_size() for p in params),
             dtypes=", ".join(sorted({C10_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in params})),
-            bucket_sizes=", ".join(str(b) for b in ddp.reducer.bucket_bytes()),
+            bucket_sizes=", ".join(str(b) for b in self._reducer.bucket_bytes()),
             iteration=0,
         )
         for key, names in _COMMON_ENV.items():
@@ -179,25 +187,25 @@ class DDPLogger:
     def _sampled(self, iteration: int) -> bool:
         return iteration > 0 and (iteration <= ALWAYS_SAMPLED or iteration % self.sample_rate == 0)
 
-    def before_forward(self, ddp: Any) -> None:
+    def before_forward(self) -> None:
         """At a forward that prepares a synchronized backward, before the module runs: logs
         the last iteration's statistics if it was sampled, counts this iteration and tells the
         Reducer whether to measure it (torch's ``set_runtime_stats_and_log`` and
         ``prepare_for_forward``)."""
         self._record_usage_error()  # (with the iteration it was raised in)
         if self._sampled(self.num_iterations):
-            self._log_runtime(ddp)
+            self._log_runtime()
         self.num_iterations += 1
-        ddp.reducer.time_iteration(self._sampled(self.num_iterations))
+        self._reducer.time_iteration(self._sampled(self.num_iterations))
 
-    def after_search(self, ddp: Any) -> None:
+    def after_search(self) -> None:
         """After a forward's search for unused parameters (find_unused_parameters without a
         static graph): torch's check that the graph could be declared static. The first change
         of the set of unused parameters after the first iteration logs
         ``can_set_static_graph`` = 0 (once per process)."""
         if not self._graph_static:
             return
-        unused = ddp.reducer.unused_parameters()
+        unused = self._reducer.unused_parameters()
         if self.num_iterations > 1 and unused != self._prev_unused:
             self._graph_static = False
             self._log_if_graph_static(False)
@@ -210,27 +218,27 @@ class DDPLogger:
         self.data["can_set_static_graph"] = int(is_static)
         self.data["iteration"] = self.num_iterations  # (torch's: where training got to)
 
-    def _log_runtime(self, ddp: Any) -> None:
+    def _log_runtime(self) -> None:
         d = self.data
         self._stats_recorded += 1
         d["iteration"] = self.num_iterations
-        times = ddp.reducer.collect_times()
-        params = ddp._params
+        reducer, params = self._reducer, self._params
+        times = reducer.collect_times()
         # torch's: the parameters found unused by the last synchronized forward (its reducer's
         # unused_parameters_), summed afresh at each sampled iteration
         d["unused_parameter_size"] = sum(
-            params[i].numel() * params[i].element_size() for i in ddp.reducer.unused_parameters()
+            params[i].numel() * params[i].element_size() for i in reducer.unused_parameters()
         )
-        rebuilt = int(ddp.reducer.has_rebuilt_buckets())
+        rebuilt = int(reducer.has_rebuilt_buckets())
         if d.setdefault("has_rebuilt_buckets", 0) != rebuilt:
             d["has_rebuilt_buckets"] = rebuilt
-            d["rebuilt_bucket_sizes"] = ", ".join(str(b) for b in ddp.reducer.bucket_bytes())
+            d["rebuilt_bucket_sizes"] = ", ".join(str(b) for b in reducer.bucket_bytes())
             d["rebuilt_per_bucket_param_indices"] = ", ".join(
-                " ".join(str(i) for i in bucket) for bucket in ddp.reducer.bucket_indices()
+                " ".join(str(i) for i in bucket) for bucket in reducer.bucket_indices()
             )
         if times is None:
             return
-        d["num_buckets_reduced"] = len(ddp.reducer.bucket_bytes())  # every bucket, each iteration
+        d["num_buckets_reduced"] = len(reducer.bucket_bytes())  # every bucket, each iteration
         if times["grad_ready_order"]:
             d["prev_iteration_grad_ready_order_indices"] = ", ".join(
                 str(i) for i in times["grad_ready_order"]

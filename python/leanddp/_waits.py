@@ -13,28 +13,31 @@ wrapper is collected or at interpreter exit: see ``Reducer.close``.)
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 
-def install_waits(ddp: nn.Module) -> None:
-    """Installs the waits on ``ddp.module``."""
-    ref = weakref.ref(ddp)
+def install_waits(module: nn.Module, trained: Sequence[Tensor], reducer: Any) -> None:
+    """Installs the waits on ``module``, for the parameters ``trained`` that ``reducer`` (a
+    ``_C.Reducer``) steps. The hooks hold the Reducer weakly: once the wrapper and its Reducer
+    are gone they do nothing."""
+    ref = weakref.ref(reducer)
 
     def before_forward(module: nn.Module, args: Any) -> None:
         owner = ref()
         if owner is not None:
-            owner.reducer.wait_for_steps()
+            owner.wait_for_steps()
 
     def before_state_dict(module: nn.Module, *args: Any) -> None:
         owner = ref()
         if owner is not None:
-            owner.reducer.wait_for_steps(host_too=True)
+            owner.wait_for_steps(host_too=True)
 
-    ddp.module.register_forward_pre_hook(before_forward)
-    trained = {id(p) for p in ddp._params}
-    for sub in ddp.module.modules():
-        if any(id(p) in trained for p in sub.parameters(recurse=False)):
+    module.register_forward_pre_hook(before_forward)
+    ids = {id(p) for p in trained}
+    for sub in module.modules():
+        if any(id(p) in ids for p in sub.parameters(recurse=False)):
             sub.register_state_dict_pre_hook(before_state_dict)
             sub.register_load_state_dict_pre_hook(before_state_dict)

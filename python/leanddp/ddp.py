@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ from torch.nn.parallel.distributed import _find_tensors
 
 from . import _comm, _waits, optim
 from ._collectives import broadcast_from_rank0, verify_same_parameters
-from ._config import DDPConfig, check_arguments
+from ._config import DDPConfig, check_arguments, check_trainable_unchanged
 from ._extension import _C
 from ._logging import DDPLogger
 
@@ -174,7 +175,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 state += self.modules_buffers
             broadcast_from_rank0(state, self.process_group)
         self._build_reducer()
-        self.logger.set_construction_data(self)
+        self.logger.set_construction_data(module, config)
         if config.static_graph:
             self.logger._set_static_graph()
 
@@ -237,35 +238,21 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         named = self._named_trainable
         self._params = [p for _, p in named]
         self._param_names = [name for name, _ in named]
-        sparse = set(self._config.sparse_names)
         self.reducer = _C.Reducer(
             self._params,
-            [name for name, _ in named],
+            self._param_names,
             self.process_group,
-            list(self._config.caps_bytes),
-            self.gradient_as_bucket_view,
-            self.find_unused_parameters,
-            self.static_graph,
-            self._in_backward is not None,
-            self._config.nan_check,
-            [name in sparse for name in self._param_names],
-            list(self._config.initial_caps_bytes),
-            self._config.shard_optimizer_state,
-            # (with offload_to_cpu the host step clips)
-            self._config.max_grad_norm
-            if self._config.shard_optimizer_state and not self._config.offload_to_cpu
-            else None,
+            self._config.reducer_options(self._param_names),
         )
         # When the wrapper is collected or, at the latest, at interpreter exit (weakref.finalize
         # is an atexit hook too): the Reducer stops its offload worker and lets go of the process
         # group, its in-flight works and its Python hook and stepper, while every thread can
         # still take the GIL, so none of them is torn down during interpreter finalization.
         weakref.finalize(self, self.reducer.close)
-        self.logger.attach(self.reducer)
+        self.logger.attach(self.reducer, self._params)
         if self._in_backward is not None:
             self._in_backward.attach(self.reducer)
-        if self._in_backward is not None:
-            _waits.install_waits(self)
+            _waits.install_waits(self.module, self._params, self.reducer)
         for hook, state in self._comm_hooks:
             self._attach_comm_hook(hook, state)
 
@@ -284,7 +271,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 try:
                     self._check_parameters_unchanged()
                     if self.require_backward_grad_sync:
-                        self.logger.before_forward(self)
+                        self.logger.before_forward()
                     self._warn_replaced_grads(self.reducer.prepare_for_forward())
                     self.reducer.rebuild_buckets()
                 except Exception as e:
@@ -302,7 +289,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 track = self.find_unused_parameters and not self.static_graph
                 self.reducer.prepare_for_backward(list(_find_tensors(output)) if track else [])
                 if track:
-                    self.logger.after_search(self)
+                    self.logger.after_search()
             else:
                 self.require_forward_param_sync = False
             return output
@@ -332,26 +319,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def _check_parameters_unchanged(self) -> None:
         """Raises, naming them, if trainable parameters were added, removed, replaced or
         frozen since wrapping: their gradients would silently not be reduced."""
-        current = self._named_trainable
-        if len(current) == len(self._params) and all(
-            p is q for (_, p), q in zip(current, self._params, strict=True)
-        ):
-            return
-        ours = {id(p) for p in self._params}
-        now = {id(p) for _, p in current}
-        added = [name for name, p in current if id(p) not in ours]
-        gone = [n for n, p in zip(self._param_names, self._params, strict=True) if id(p) not in now]
-        what = []
-        if added:
-            what.append(f"now trains {', '.join(added)} (added or unfrozen)")
-        if gone:
-            what.append(f"no longer trains {', '.join(gone)} (removed, replaced or frozen)")
-        raise RuntimeError(
-            "leanddp.DistributedDataParallel: the wrapped module "
-            f"{' and '.join(what) or 'trains its parameters in another order'} since it was "
-            "wrapped; their gradients would not be reduced as on the other ranks. Change "
-            "parameters (or requires_grad) before wrapping the module, then wrap it again."
-        )
+        check_trainable_unchanged(self._named_trainable, self._param_names, self._params)
 
     def _warn_replaced_grads(self, names: list[str]) -> None:
         if names and not self._warned_replaced_grads:
@@ -430,6 +398,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 "a forward or backward has already run.)",
             )
         self.reducer.set_static_graph()
+        self._config = dataclasses.replace(self._config, static_graph=True)
         self.static_graph = True
         self.logger._set_static_graph()
         if self.find_unused_parameters:
