@@ -1,3 +1,5 @@
+// The Reducer's life and hot path (see reducer.h): construction and close, arming a backward,
+// the autograd hooks, launching each bucket's reduction, and the end-of-backward callback.
 #include "reducer.h"
 
 #include "op_calls.h"
@@ -38,8 +40,8 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       process_group_(std::move(process_group)),
       rank_(process_group_ ? process_group_->getRank() : -1),
       options_(std::move(options)),
-      window_(options_.buckets_in_flight,
-              !params_.empty() && runs_apart(params_.front().device())) {
+      window_(options_.buckets_in_flight, !params_.empty() && runs_apart(params_.front().device())),
+      nan_(options_.nan_check, options_.step_in_backward) {
   TORCH_CHECK(!params_.empty(), "Reducer: no parameters");
   TORCH_CHECK(names_.size() == params_.size(), "Reducer: one name per parameter");
   TORCH_CHECK(process_group_, "Reducer: no process group");
@@ -105,6 +107,37 @@ Reducer::~Reducer() {
   }
 }
 
+Reducer::Detached Reducer::close() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (offload_) offload_->shutdown();
+  Detached detached;
+  if (!process_group_) return detached;  // closed already
+  armed_ = false;
+  detached.process_group = std::move(process_group_);
+  detached.works = std::move(works_);
+  detached.futures = std::move(futures_);
+  if (local_used_work_) detached.works.push_back(std::move(local_used_work_));
+  for (auto& gather : gathers_) {  // (shard_optimizer_state: a backward that never finished)
+    if (gather) detached.works.push_back(std::move(gather));
+  }
+  detached.comm_hook = std::move(comm_hook_);
+  detached.fallback = std::move(fallback_);
+  works_.assign(buckets_.size(), {});
+  futures_.assign(buckets_.size(), {});
+  return detached;
+}
+
+bool Reducer::closed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !process_group_;
+}
+
+void Reducer::check_open(const char* what) const {
+  TORCH_CHECK(process_group_, "leanddp.DistributedDataParallel: ", what,
+              " after the wrapper was closed (at interpreter exit, or when it was collected): "
+              "it no longer holds its process group");
+}
+
 void Reducer::ensure_allocated(size_t bucket_index) {
   Bucket& bucket = buckets_[bucket_index];
   if (bucket.allocated()) return;
@@ -166,9 +199,7 @@ void Reducer::reset_iteration_state() {
   launched_events_.clear();
   launched_events_.resize(buckets_.size());
   collected_.assign(buckets_.size(), 0);
-  nan_bucket_ = -1;
-  nan_params_.clear();
-  nan_flags_armed_ = false;
+  nan_.reset(buckets_.size());
   local_used_reduced_ = at::Tensor();
   local_used_work_.reset();
   clip_scale_.reset();
@@ -470,9 +501,9 @@ void Reducer::finalize() {
     std::vector<size_t> unstepped;
     for (size_t b = window_.stepped(); b < buckets_.size(); ++b) unstepped.push_back(b);
     if (options_.step_in_backward) {
-      if (options_.nan_check == NanCheck::kStrict) {
+      if (nan_.strict()) {
         for (size_t b : unstepped) collect_reduced(b);
-        check_finite(unstepped);  // before any step: a NaN leaves every weight as it was
+        nan_.check(buckets_, unstepped);  // before any step: a NaN leaves every weight as it was
       }
       if (clips_on_device()) clip_shards();
       advance_steps(StepWindow::Phase::kEnd, &used);  // (checks each bucket before its step)
@@ -480,9 +511,9 @@ void Reducer::finalize() {
       // The caller's stream (where the loop goes on after backward) sees the stepped weights;
       // the host does not wait. offload_to_cpu: the next forward waits for the host steps.
       // (with offload only for the NaN check's flags, set on its device-to-host stream)
-      if (!offload_ || nan_flags_armed_) follow_side_stream();
-      read_nan_flags();  // (device NaN check: after the wait, on the caller's stream)
-      if (nan_bucket_ >= 0) raise_nonfinite(used);
+      if (!offload_ || nan_.armed()) follow_side_stream();
+      nan_.read_flags(buckets_, fused_.get());  // (device check: after the wait, on this stream)
+      if (nan_.found()) raise_nonfinite(used);
       if (offload_ && options_.shard_optimizer_state) {
         finish_sharded_offload();
       } else if (offload_) {
@@ -490,9 +521,9 @@ void Reducer::finalize() {
       }
     } else {
       for (size_t b : unstepped) collect_reduced(b);
-      if (options_.nan_check != NanCheck::kOff) check_finite(unstepped);
+      if (nan_.enabled()) nan_.check(buckets_, unstepped);
       for (size_t b : unstepped) write_reduced_grads(b, used);
-      if (nan_bucket_ >= 0) raise_nonfinite(used);
+      if (nan_.found()) raise_nonfinite(used);
     }
     if (options_.static_graph && iterations_ == 0) {
       static_unused_.clear();
@@ -510,100 +541,6 @@ void Reducer::finalize() {
   } catch (...) {
     abandon_iteration(/*step_launched=*/false);
     throw;
-  }
-}
-
-void Reducer::settle(size_t bucket_index) {
-  try {
-    if (comm_hook_) {
-      comm_hook_->settle(bucket_index);
-    } else if (works_[bucket_index]) {
-      works_[bucket_index]->wait();
-    }
-  } catch (...) {
-    rethrow_collective_error(reduction_of(bucket_index));
-  }
-}
-
-std::string Reducer::reduction_of(size_t bucket_index) const {
-  return "the reduction of bucket " + std::to_string(bucket_index) + " (" +
-         join_names(names_, buckets_[bucket_index].params) + ")";
-}
-
-void Reducer::collect_reduced(size_t index) {
-  if (collected_[index]) return;
-  if (buckets_[index].sparse) return collect_sparse(index);
-  Bucket& bucket = buckets_[index];
-  at::Tensor result;
-  if (comm_hook_) {
-    try {
-      result = comm_hook_->wait(index);
-    } catch (...) {
-      rethrow_collective_error(reduction_of(index));
-    }
-  } else {
-    settle(index);
-  }
-  // The work (and its future) hold the bucket's memory: drop them, so that releasing the bucket
-  // frees it. NCCL's wait has released its own hold already (ordered by the wait).
-  works_[index].reset();
-  futures_[index].reset();
-  if (comm_hook_ && events_) {
-    // A future without CUDA events (gloo's) was completed once its thread had ordered the
-    // device's default stream after the result: the current stream follows that stream too.
-    const c10::Device device = bucket.flat.device();
-    stream_wait(current_stream(device), default_stream(device), *events_);
-  }
-  if (comm_hook_) {
-    TORCH_CHECK(result.numel() == bucket.flat.numel(),
-                "leanddp.DistributedDataParallel: the communication hook returned a tensor of ",
-                result.numel(), " elements for bucket ", index, " of ", bucket.flat.numel());
-    if (!result.is_same(bucket.flat)) {
-      bucket.flat.copy_(result.reshape({-1}));
-      // The result may come from another stream's memory: keep it until this stream's copy ran.
-      if (runs_apart(result.device())) record_on_stream(result, current_stream(result.device()));
-    }
-  }
-  collected_[index] = kCollected;
-}
-
-void Reducer::write_reduced_grads(size_t bucket_index, const std::vector<int32_t>& used) {
-  Bucket& bucket = buckets_[bucket_index];
-  if (bucket.sparse) return write_sparse_grad(bucket_index, used);
-  if (options_.gradient_as_bucket_view) {
-    for (size_t s = 0; s < bucket.params.size(); ++s) {
-      const auto p = static_cast<size_t>(bucket.params[s]);
-      if (!used[p]) continue;  // globally unused: grad left as it was (None stays None)
-      at::Tensor& grad = params_[p].mutable_grad();
-      if (!is_view(grad, bucket.views[s])) {
-        grad = bucket.views[s];
-        grad_was_view_[p] = 1;
-      }
-      view_since_sync_[p] = 1;
-    }
-    return;
-  }
-  std::vector<at::Tensor> grads;
-  bool all_used = true;
-  for (size_t s = 0; s < bucket.params.size(); ++s) {
-    const auto p = static_cast<size_t>(bucket.params[s]);
-    at::Tensor& grad = params_[p].mutable_grad();
-    if (used[p] && !grad.defined()) grad = at::empty_like(params_[p]);
-    all_used = all_used && used[p];
-    grads.push_back(grad);
-  }
-  if (all_used) {
-    // One pass for the whole bucket, each slice read in its view's memory order.
-    std::vector<at::Tensor> targets;
-    targets.reserve(grads.size());
-    for (size_t s = 0; s < grads.size(); ++s) {
-      targets.push_back(in_memory_order_of(grads[s], bucket.views[s]));
-    }
-    unflatten_from(bucket.flat, targets);
-    return;
-  }
-  for (size_t s = 0; s < bucket.params.size(); ++s) {
-    if (used[static_cast<size_t>(bucket.params[s])]) grads[s].copy_(bucket.views[s]);
   }
 }
 
@@ -634,24 +571,9 @@ void Reducer::register_comm_hook(std::unique_ptr<CommHook> hook) {
   }
 }
 
-int64_t Reducer::num_iterations() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return iterations_;
-}
-
 void Reducer::time_iteration(bool sampled) {
   std::lock_guard<std::mutex> lock(mu_);
   timer_.start(sampled, params_.front().device());
-}
-
-IterationTimes Reducer::collect_times() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return timer_.collect();
-}
-
-std::vector<int64_t> Reducer::unused_parameters() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return found_unused_;
 }
 
 std::optional<std::string> Reducer::take_usage_error() {

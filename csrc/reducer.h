@@ -44,6 +44,7 @@
 #include "bucket.h"
 #include "comm_hook.h"
 #include "fused_optim.h"
+#include "nan_check.h"
 #include "offload.h"
 #include "recycler.h"
 #include "run_stats.h"
@@ -80,11 +81,6 @@ std::string join_names(const std::vector<std::string>& names, const std::vector<
   do {                                                             \
     if (C10_UNLIKELY(!(cond))) usage_error(c10::str(__VA_ARGS__)); \
   } while (0)
-
-// check_for_nan_in_grad: off; on (raise at the end of backward; with optimizer_in_backward on the
-// device, buckets stepped before the bad one keep their update); strict (also defers the device's
-// in-backward steps to the end of backward, so a NaN changes no weight).
-enum class NanCheck { kOff = 0, kOn = 1, kStrict = 2 };
 
 struct ReducerOptions {
   // Byte caps of consecutive buckets per (device, dtype); the last one repeats.
@@ -322,22 +318,7 @@ class Reducer {
   [[noreturn]] void rethrow_collective_error(const std::string& what) const;
   // Records `message` for take_usage_error() and raises it (see LEANDDP_USAGE_CHECK).
   [[noreturn]] void usage_error(const std::string& message) const;
-  // check_for_nan_in_grad: checks the reduced buckets `indices` (one device synchronization for
-  // all) and remembers the first holding a NaN or infinity, with its offending parameters. Every
-  // rank holds the same reduced values, so every rank finds the same bucket.
-  void check_finite(const std::vector<size_t>& indices);
-  // The NaN check on the device (check_for_nan_in_grad=True with in-backward steps; with
-  // offload_to_cpu too, whose host steps are held until the end of backward): whether it applies;
-  // flag_nonfinite() queues, on the current stream, the flags of bucket `index`'s parameters and
-  // folds them into nan_seen_, which the fused kernels take as found_inf (a bucket holding NaN/inf
-  // and every one after it are not stepped); read_nan_flags() reads the flags (the one host
-  // synchronization of the check per backward), finds the first bucket flagged and takes back the
-  // host step counts of the members whose kernels skipped.
-  bool device_nan_check() const;
-  void flag_nonfinite(size_t index);
-  void read_nan_flags();
-  // Raises the NaN check's error, naming what holds NaN/inf and which parameters were stepped
-  // (`used`: this iteration's globally-used verdict).
+  // Raises the NaN check's error (nan_check.h; `used`: this iteration's globally-used verdict).
   [[noreturn]] void raise_nonfinite(const std::vector<int32_t>& used) const;
   void reset_iteration_state();
   // Lays out new buckets (storage allocated unless step_in_backward).
@@ -490,17 +471,8 @@ class Reducer {
   // A comm hook with in-backward steps on a GPU: released buckets' storage, reused for the next
   // buckets (recycler.h); null otherwise. Set by register_comm_hook.
   std::unique_ptr<BucketRecycler> recycler_;
-  // Per bucket: kCollected once its result is in `flat`, kChecked once also found finite.
-  static constexpr char kCollected = 1, kChecked = 2;
-  std::vector<char> collected_;
-  int64_t nan_bucket_ = -1;          // first bucket with NaN/inf (nan check)
-  std::vector<int64_t> nan_params_;  // its parameters holding NaN/inf
-  // The device NaN check: a flag per parameter (1: NaN/inf), bucket by bucket in slot order;
-  // their running max (found_inf of the kernels); whether this iteration set them; per bucket,
-  // the parameters the fused kernels were asked to step under nan_seen_.
-  at::Tensor nan_flags_, nan_seen_;
-  bool nan_flags_armed_ = false;
-  std::vector<std::vector<int64_t>> nan_gated_;
+  std::vector<char> collected_;    // per bucket: its result is in `flat` (collect_reduced)
+  NonFiniteCheck nan_;             // check_for_nan_in_grad (reset with the iteration)
   at::Tensor local_used_reduced_;  // the allreduced local_used_ (when tracked)
   c10::intrusive_ptr<c10d::Work> local_used_work_;
 

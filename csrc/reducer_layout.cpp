@@ -1,6 +1,6 @@
 // The Reducer's bucket layout (see reducer.h): building the buckets from an assignment,
-// rebuilding them once from the order in which gradients became ready, and what the layout
-// reports (bucket indices and bytes, memory statistics).
+// rebuilding them once from the order in which gradients became ready, and what the Reducer
+// reports (bucket indices and bytes, memory statistics, iterations, timings, unused parameters).
 #include "reducer.h"
 
 #include <c10/util/Exception.h>
@@ -148,6 +148,21 @@ std::vector<int64_t> Reducer::bucket_bytes() const {
 bool Reducer::has_rebuilt_buckets() const {
   std::lock_guard<std::mutex> lock(mu_);
   return has_rebuilt_;
+}
+
+int64_t Reducer::num_iterations() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return iterations_;
+}
+
+IterationTimes Reducer::collect_times() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return timer_.collect();
+}
+
+std::vector<int64_t> Reducer::unused_parameters() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return found_unused_;
 }
 
 }  // namespace leanddp

@@ -145,7 +145,7 @@ void Reducer::collect_sparse(size_t bucket_index) {
     record_on_stream(result._values(), current_stream(device));
   }
   bucket.sparse_grad = result;
-  collected_[bucket_index] = kCollected;
+  collected_[bucket_index] = 1;
 }
 
 void Reducer::write_sparse_grad(size_t bucket_index, const std::vector<int32_t>& used) {

@@ -58,15 +58,16 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
     on_side.emplace(*side);
   }
   collect_reduced(index);
-  const bool device_check = device_nan_check();
+  const bool device_check = nan_.on_device();
   if (device_check) {
-    flag_nonfinite(index);  // on the device; the kernels skip from the first bucket flagged
-  } else if (options_.nan_check != NanCheck::kOff) {
-    check_finite({index});  // read on the host before the step
+    // on the device; the kernels skip from the first bucket flagged
+    nan_.flag(buckets_, index, params_.size());
+  } else if (nan_.enabled()) {
+    nan_.check(buckets_, {index});  // read on the host before the step
   }
   Bucket& bucket = buckets_[index];
   // A bucket holding NaN/inf, or after one that did, is not stepped, only released.
-  if (nan_bucket_ < 0) {
+  if (!nan_.found()) {
     // Used members the fused kernels can step go to them (`mask`); the others to the fallback.
     std::vector<char> mask(bucket.params.size(), 0);
     std::vector<int64_t> others;
@@ -109,9 +110,9 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
         targets.amp_scale = amp_scale_;
         targets.found_inf = amp_found_inf_;
       } else if (device_check) {
-        targets.found_inf = nan_seen_;
+        targets.found_inf = nan_.seen();
         for (size_t s = 0; s < mask.size(); ++s) {
-          if (mask[s]) nan_gated_[index].push_back(bucket.params[s]);
+          if (mask[s]) nan_.gate(index, bucket.params[s]);
         }
       }
       if (options_.shard_optimizer_state && !side) finish_gathers();  // (the previous bucket's)
@@ -125,7 +126,7 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
     }
     // The per-bucket Python steps cannot read a device flag: with the device NaN check, the
     // host reads it first (a synchronization, only in buckets the fused kernels cannot step).
-    const bool skip_others = device_check && !others.empty() && nan_seen_.item<float>() != 0.0f;
+    const bool skip_others = device_check && !others.empty() && nan_.seen().item<float>() != 0.0f;
     if (!others.empty() && !skip_others) {
       TORCH_CHECK(fallback_, "leanddp.DistributedDataParallel: no optimizer for bucket ", index);
       fallback_->step(index, others, other_grads);
@@ -174,7 +175,7 @@ void Reducer::set_optimizer(OptimizerSpec spec) {
     offload_ = std::make_unique<HostOffload>(params_, std::move(fused), host);
     offload_->set_layout(buckets_, shards_);
     // The NaN check runs before the host steps: they wait for the end of backward.
-    if (options_.nan_check != NanCheck::kOff) offload_->hold_steps();
+    if (nan_.enabled()) offload_->hold_steps();
     return;  // (spec.fallback is not needed: the host steps every bucket)
   }
   fused_ = std::move(fused);
@@ -185,37 +186,6 @@ void Reducer::set_optimizer(OptimizerSpec spec) {
 void Reducer::wait_for_steps(bool host_too) {
   std::lock_guard<std::mutex> lock(mu_);
   wait_idle(host_too);
-}
-
-Reducer::Detached Reducer::close() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (offload_) offload_->shutdown();
-  Detached detached;
-  if (!process_group_) return detached;  // closed already
-  armed_ = false;
-  detached.process_group = std::move(process_group_);
-  detached.works = std::move(works_);
-  detached.futures = std::move(futures_);
-  if (local_used_work_) detached.works.push_back(std::move(local_used_work_));
-  for (auto& gather : gathers_) {  // (shard_optimizer_state: a backward that never finished)
-    if (gather) detached.works.push_back(std::move(gather));
-  }
-  detached.comm_hook = std::move(comm_hook_);
-  detached.fallback = std::move(fallback_);
-  works_.assign(buckets_.size(), {});
-  futures_.assign(buckets_.size(), {});
-  return detached;
-}
-
-bool Reducer::closed() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return !process_group_;
-}
-
-void Reducer::check_open(const char* what) const {
-  TORCH_CHECK(process_group_, "leanddp.DistributedDataParallel: ", what,
-              " after the wrapper was closed (at interpreter exit, or when it was collected): "
-              "it no longer holds its process group");
 }
 
 OffloadStats Reducer::offload_stats() const {
