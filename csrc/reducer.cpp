@@ -40,6 +40,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       process_group_(std::move(process_group)),
       rank_(process_group_ ? process_group_->getRank() : -1),
       options_(std::move(options)),
+      shard_(params_, names_, rank_),
       window_(options_.buckets_in_flight, !params_.empty() && runs_apart(params_.front().device())),
       nan_(options_.nan_check, options_.step_in_backward) {
   TORCH_CHECK(!params_.empty(), "Reducer: no parameters");
@@ -117,8 +118,8 @@ Reducer::Detached Reducer::close() {
   detached.works = std::move(works_);
   detached.futures = std::move(futures_);
   if (local_used_work_) detached.works.push_back(std::move(local_used_work_));
-  for (auto& gather : gathers_) {  // (shard_optimizer_state: a backward that never finished)
-    if (gather) detached.works.push_back(std::move(gather));
+  for (auto& gather : shard_.take_gathers()) {  // (sharded: a backward that never finished)
+    detached.works.push_back(std::move(gather));
   }
   detached.comm_hook = std::move(comm_hook_);
   detached.fallback = std::move(fallback_);
@@ -202,9 +203,7 @@ void Reducer::reset_iteration_state() {
   nan_.reset(buckets_.size());
   local_used_reduced_ = at::Tensor();
   local_used_work_.reset();
-  clip_scale_.reset();
-  gathers_.assign(buckets_.size(), {});
-  gathering_.clear();
+  shard_.reset(buckets_.size());
   for (Bucket& b : buckets_) {
     b.pending = b.params.size();
     b.sparse_grad = at::Tensor();
@@ -436,7 +435,7 @@ void Reducer::launch(size_t bucket_index) {
     try {
       works_[bucket_index] =
           options_.shard_optimizer_state
-              ? reduce_to_shard(process_group_, bucket.padded, shards_[bucket_index])
+              ? reduce_to_shard(process_group_, bucket.padded, shard_.shards()[bucket_index])
               : process_group_->allreduce(tensors);
     } catch (...) {
       rethrow_collective_error("starting the reduction of bucket " + std::to_string(bucket_index));
@@ -505,9 +504,12 @@ void Reducer::finalize() {
         for (size_t b : unstepped) collect_reduced(b);
         nan_.check(buckets_, unstepped);  // before any step: a NaN leaves every weight as it was
       }
-      if (clips_on_device()) clip_shards();
+      if (clips_on_device()) {  // the coefficient every step takes (sharded)
+        for (size_t b = 0; b < buckets_.size(); ++b) collect_reduced(b);
+        shard_.clip(*process_group_, buckets_, *options_.max_grad_norm);
+      }
       advance_steps(StepWindow::Phase::kEnd, &used);  // (checks each bucket before its step)
-      finish_gathers();
+      finish_gathers();  // (sharded on the CPU: the last buckets' gathers)
       // The caller's stream (where the loop goes on after backward) sees the stepped weights;
       // the host does not wait. offload_to_cpu: the next forward waits for the host steps.
       // (with offload only for the NaN check's flags, set on its device-to-host stream)

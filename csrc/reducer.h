@@ -37,6 +37,10 @@
 // on every rank (abandon_iteration); with a NaN check the reduced buckets are checked before they
 // are stepped or handed back, and every rank raises at the end of backward.
 //
+// Concerns with state of their own, owned by the Reducer and called under `mu_`: the NaN check
+// (NonFiniteCheck, nan_check.h) and shard_optimizer_state's cut, gathers and clipping
+// (ShardGather, shard_gather.h).
+//
 // Threading: hooks and the final callback run on autograd's threads; the Python-facing methods
 // run on the caller's thread with the GIL released. All mutable state is guarded by `mu_`.
 #pragma once
@@ -49,6 +53,7 @@
 #include "recycler.h"
 #include "run_stats.h"
 #include "shard.h"
+#include "shard_gather.h"
 #include "step_window.h"
 #include "stepper.h"
 #include "streams.h"
@@ -73,6 +78,10 @@ namespace leanddp {
 
 // "a, b, c" for the parameters `idx` (at most 8 named, then the count), for error messages.
 std::string join_names(const std::vector<std::string>& names, const std::vector<int64_t>& idx);
+
+// Inside a catch block: rethrows the exception being handled as an error of rank `rank` saying
+// that `what` failed, and what that usually means (another rank died or diverged).
+[[noreturn]] void rethrow_collective_error(int rank, const std::string& what);
 
 // TORCH_CHECK for the Reducer's checks of how it is used (torch's REDUCER_CHECK): a failure is
 // recorded for the logging data (Reducer::take_usage_error) and raised as a RuntimeError. Only
@@ -312,7 +321,7 @@ class Reducer {
   // Whether buckets are stepped from the hooks as their reductions finish (else at the end).
   bool steps_in_hooks() const;
   // max_grad_norm applied by the device steps (shard_optimizer_state without offload_to_cpu,
-  // whose host steps clip): they wait for the end of backward (clip_shards).
+  // whose host steps clip): they wait for the end of backward (ShardGather::clip).
   bool clips_on_device() const { return options_.max_grad_norm && !options_.offload_to_cpu; }
   // Rethrows the exception being handled with `what` failed, and what that usually means.
   [[noreturn]] void rethrow_collective_error(const std::string& what) const;
@@ -376,31 +385,21 @@ class Reducer {
   void check_before_first_backward(const char* what) const;
   void check_open(const char* what) const;  // raises once closed
   void release(size_t bucket_index);
-  // shard_optimizer_state: start_gather() puts this rank's stepped pieces into its shard of
-  // bucket `index` and starts gathering every rank's shard; finish_gather() waits for it (on a
-  // GPU the current stream waits, on the CPU the host) and writes the bucket's weights into its
-  // parameters; gather_weights() does both. In a CPU backward a bucket's gather is finished,
-  // and the bucket released, at the next bucket's step or at the end of backward
-  // (finish_gathers()), so it overlaps the backward computation in between.
-  void start_gather(size_t index);
-  void finish_gather(size_t index);
+  // shard_optimizer_state (shard_gather.h): gather_weights() gathers every rank's stepped
+  // shard of bucket `index` into its parameters (on a GPU the current stream waits, on the CPU
+  // the host); finish_gathers() finishes the gathers a CPU backward deferred and releases their
+  // buckets (at the next bucket's step or the end of backward, so that each gather overlaps
+  // the backward computation in between).
   void gather_weights(size_t index);
   void finish_gathers();
   // shard_optimizer_state: the fused optimizer's state buffers of bucket `index` of `buckets`
   // (cut by `shards`) gathered whole, padded (a collective).
   std::vector<at::Tensor> gather_state(const std::vector<Bucket>& buckets,
                                        const std::vector<ShardLayout>& shards, size_t index);
-  // shard_optimizer_state: rank `rank`'s shard of `bucket`; cut_shards() cuts this rank's
-  // shard of every bucket (build_buckets).
-  ShardLayout cut(const Bucket& bucket, int64_t rank) const;
-  void cut_shards();
   // offload_to_cpu with shard_optimizer_state, at the end of backward: with max_grad_norm the
   // global norm from every rank's held buckets; the host steps (the host waits for them), then
   // every bucket's stepped pieces gathered into the parameters, one bucket allocated at a time.
   void finish_sharded_offload();
-  // max_grad_norm with shard_optimizer_state, at the end of backward (every bucket collected):
-  // the global norm from every rank's shards, and the coefficient the steps apply.
-  void clip_shards();
   // The fused optimizer, wherever it lives (null if none). With offload_to_cpu the worker must
   // be idle (wait_idle()).
   FusedOptimizer* fused_optimizer() const;
@@ -430,11 +429,7 @@ class Reducer {
   // Layout: replaced once by rebuild_buckets().
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> location_;  // param -> (bucket, slot)
-  std::vector<ShardLayout> shards_;  // shard_optimizer_state: this rank's shard of each bucket
-  std::vector<c10::intrusive_ptr<c10d::Work>> gathers_;  // per bucket, while gathering (sharded)
-  std::deque<size_t> gathering_;      // CPU, sharded: buckets stepped, gathers not yet finished
-  std::optional<double> clip_scale_;  // this backward's clipping coefficient (max_grad_norm)
-  double grad_norm_ = -1;             // the last backward's global gradient norm (max_grad_norm)
+  ShardGather shard_;  // shard_optimizer_state: the cut, the gathers in flight, the clipping
   bool has_rebuilt_ = false;
   // The order in which gradients arrived in the backward the rebuild learns from (the first
   // synchronized one; a static graph's second), each parameter once.

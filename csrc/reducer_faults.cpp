@@ -24,14 +24,7 @@ bool Reducer::abandon_iteration(bool step_launched) {
   } catch (...) {
     ok = false;
   }
-  for (size_t b = 0; b < gathers_.size(); ++b) {
-    if (!gathers_[b]) continue;
-    try {
-      gathers_[b]->wait();
-    } catch (...) {
-      ok = false;
-    }
-  }
+  ok = shard_.wait_all() && ok;
   for (size_t b = 0; b < works_.size(); ++b) {
     if (!works_[b] || collected_[b]) continue;
     try {
@@ -82,8 +75,12 @@ bool Reducer::steps_in_hooks() const {
 }
 
 void Reducer::rethrow_collective_error(const std::string& what) const {
+  leanddp::rethrow_collective_error(rank_, what);
+}
+
+void rethrow_collective_error(int rank, const std::string& what) {
   std::ostringstream context;
-  context << "leanddp.DistributedDataParallel: rank " << rank_ << ": " << what
+  context << "leanddp.DistributedDataParallel: rank " << rank << ": " << what
           << " failed. Another rank has probably died, raised an exception, or run a different "
              "sequence of forwards and backwards (every rank must run the same ones); this "
              "process group cannot be used for training any more. The error: ";

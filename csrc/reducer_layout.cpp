@@ -21,8 +21,9 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
     buckets_.push_back(make_bucket(params_, indices, !options_.step_in_backward, sparse));
     if (buckets_.back().allocated()) allocated_bytes_ += buckets_.back().bytes();
   }
-  cut_shards();  // (shard_optimizer_state implies step_in_backward: nothing is allocated yet)
-  if (fused_) fused_->set_shards(shards_);
+  // (shard_optimizer_state implies step_in_backward: nothing is allocated yet)
+  if (options_.shard_optimizer_state) shard_.cut_all(buckets_, *process_group_);
+  if (fused_) fused_->set_shards(shard_.shards());
 }
 
 bool Reducer::rebuild_buckets() {
@@ -65,7 +66,7 @@ bool Reducer::rebuild_buckets() {
   std::vector<std::vector<at::Tensor>> old_full;
   if (fused_ && fused_->sharded()) {
     for (size_t b = 0; b < buckets_.size(); ++b) {
-      old_full.push_back(gather_state(buckets_, shards_, b));
+      old_full.push_back(gather_state(buckets_, shard_.shards(), b));
     }
   }
   const std::vector<Bucket> old_buckets = std::move(buckets_);

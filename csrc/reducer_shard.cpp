@@ -1,6 +1,7 @@
-// The Reducer's shard_optimizer_state paths (see reducer.h and shard.h): cutting the buckets into
-// this rank's shards, gathering the stepped weights back into the parameters, and gathering the
-// sharded optimizer state for checkpoints and for a bucket rebuild.
+// The Reducer's shard_optimizer_state paths (see reducer.h and shard.h): gathering the stepped
+// weights back into the parameters (the gathers and the cut themselves: shard_gather.h), the
+// end of a sharded offloaded backward, and gathering the sharded optimizer state for
+// checkpoints and for a bucket rebuild.
 #include "reducer.h"
 
 #include "op_calls.h"
@@ -12,91 +13,13 @@
 
 namespace leanddp {
 
-ShardLayout Reducer::cut(const Bucket& bucket, int64_t rank) const {
-  std::vector<int64_t> numels;
-  for (int64_t p : bucket.params) numels.push_back(params_[static_cast<size_t>(p)].numel());
-  // Shards start 16 bytes apart at least: aligned for the vector kernels and for NCCL.
-  const int64_t align = std::max<int64_t>(
-      1, 16 / static_cast<int64_t>(params_[static_cast<size_t>(bucket.params[0])].element_size()));
-  return shard_layout(bucket.offsets, numels, bucket.numel, align, process_group_->getSize(), rank);
-}
-
-void Reducer::cut_shards() {
-  shards_.clear();
-  if (!options_.shard_optimizer_state) return;
-  for (Bucket& bucket : buckets_) {
-    shards_.push_back(cut(bucket, process_group_->getRank()));
-    bucket.padded_numel = shards_.back().padded;
-  }
-}
-
-void Reducer::start_gather(size_t index) {
-  Bucket& bucket = buckets_[index];
-  std::vector<at::Tensor> weights;
-  for (int64_t p : bucket.params) weights.push_back(memory_1d(params_[static_cast<size_t>(p)]));
-  // The reduced gradients in the shard are consumed: the shard now carries the weights.
-  pack_shard(bucket.padded, shards_[index], weights);
-  try {
-    gathers_[index] = gather_shards(process_group_, bucket.padded, shards_[index]);
-  } catch (...) {
-    rethrow_collective_error("starting to gather the stepped weights of bucket " +
-                             std::to_string(index));
-  }
-}
-
-void Reducer::finish_gather(size_t index) {
-  Bucket& bucket = buckets_[index];
-  const c10::intrusive_ptr<c10d::Work> work = std::move(gathers_[index]);
-  try {
-    work->wait();  // NCCL: the current (side) stream waits for the gather; the host does not
-  } catch (...) {
-    rethrow_collective_error("gathering the stepped weights of bucket " + std::to_string(index) +
-                             " (" + join_names(names_, bucket.params) + ")");
-  }
-  std::vector<at::Tensor> targets;
-  for (size_t s = 0; s < bucket.params.size(); ++s) {
-    targets.push_back(
-        in_memory_order_of(params_[static_cast<size_t>(bucket.params[s])], bucket.views[s]));
-  }
-  // Every rank's pieces, this rank's own included (the same values), in one pass; then, as an
-  // in-place op does, the version counters: autograd knows tensors it saved are stale (pieces
-  // stepped on another rank, or on the host, were not counted here).
-  unflatten_from(bucket.flat, targets);
-  for (const at::Tensor& target : targets) torch::autograd::impl::bump_version(target);
-}
-
 void Reducer::gather_weights(size_t index) {
-  start_gather(index);
-  finish_gather(index);
+  shard_.start(process_group_, buckets_[index], index);
+  shard_.finish(buckets_[index], index);
 }
 
 void Reducer::finish_gathers() {
-  while (!gathering_.empty()) {
-    const size_t b = gathering_.front();
-    gathering_.pop_front();
-    finish_gather(b);
-    release(b);
-  }
-}
-
-void Reducer::clip_shards() {
-  // Each rank sums the squares of its shard of every bucket (the padding holds zeros, and so do
-  // the slots of parameters without a gradient): the sum over ranks is the whole sum once.
-  at::Tensor sum = at::zeros({}, params_.front().options().dtype(at::kDouble));
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    collect_reduced(b);
-    const ShardLayout& layout = shards_[b];
-    const at::Tensor shard = buckets_[b].padded.narrow(0, layout.begin, layout.shard_numel);
-    sum.add_(at::linalg_vector_norm(shard, 2, std::nullopt, false, at::kDouble).square());
-  }
-  std::vector<at::Tensor> tensors{sum};
-  try {
-    process_group_->allreduce(tensors)->wait();
-  } catch (...) {
-    rethrow_collective_error("the reduction of the gradients' norm (max_grad_norm)");
-  }
-  grad_norm_ = std::sqrt(sum.item<double>());
-  clip_scale_ = clip_coefficient(grad_norm_, *options_.max_grad_norm);
+  shard_.finish_deferred(buckets_, [this](size_t b) { release(b); });
 }
 
 void Reducer::finish_sharded_offload() {
@@ -165,7 +88,7 @@ std::vector<std::vector<std::pair<std::string, at::Tensor>>> Reducer::gathered_o
   wait_idle(/*host_too=*/true);
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> out(params_.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    const std::vector<at::Tensor> full = gather_state(buckets_, shards_, b);
+    const std::vector<at::Tensor> full = gather_state(buckets_, shard_.shards(), b);
     const Bucket& bucket = buckets_[b];
     for (size_t s = 0; s < bucket.params.size(); ++s) {
       const auto p = static_cast<size_t>(bucket.params[s]);
@@ -187,7 +110,7 @@ std::vector<std::vector<std::array<int64_t, 3>>> Reducer::shard_placement() cons
   std::vector<std::vector<std::array<int64_t, 3>>> out(params_.size());
   for (const Bucket& bucket : buckets_) {
     for (int64_t r = 0; r < process_group_->getSize(); ++r) {
-      for (const ShardPiece& piece : cut(bucket, r).pieces) {
+      for (const ShardPiece& piece : shard_.cut(bucket, process_group_->getSize(), r).pieces) {
         out[static_cast<size_t>(bucket.params[piece.slot])].push_back(
             {r, piece.slot_offset, piece.numel});
       }
@@ -211,7 +134,7 @@ std::vector<std::tuple<int64_t, std::string, at::Tensor>> Reducer::local_optimiz
     const std::vector<at::Tensor>& buffers = fused->state_buffers(b, bucket);
     const bool masters =
         offload_ && params_[static_cast<size_t>(bucket.params[0])].scalar_type() != at::kFloat;
-    for (const ShardPiece& piece : shards_[b].pieces) {
+    for (const ShardPiece& piece : shard_.shards()[b].pieces) {
       const int64_t p = bucket.params[piece.slot];
       const std::vector<std::string> keys = fused->buffer_keys(static_cast<size_t>(p));
       for (size_t k = 0; k < keys.size(); ++k) {

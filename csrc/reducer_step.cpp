@@ -96,7 +96,7 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
         targets.params.push_back(params_[static_cast<size_t>(bucket.params[s])]);
       }
       targets.grads = bucket.views;
-      targets.grad_scale = clip_scale_;  // (max_grad_norm, sharded)
+      targets.grad_scale = shard_.clip_scale();  // (max_grad_norm, sharded)
       if (amp_scale_.defined()) {
         // GradScaler: inf/NaN in the (scaled) gradients of this bucket sets found_inf, on the
         // device, as GradScaler's check for fused optimizers does; the kernels read it.
@@ -120,8 +120,8 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
       if (options_.shard_optimizer_state && side) {
         gather_weights(index);  // ordered on the side stream: nothing to wait for
       } else if (options_.shard_optimizer_state) {
-        start_gather(index);  // finished at the next step, or at the end of backward
-        gathering_.push_back(index);
+        shard_.start(process_group_, bucket, index);  // finished at the next step, or at the end
+        shard_.defer(index);
       }
     }
     // The per-bucket Python steps cannot read a device flag: with the device NaN check, the
@@ -146,7 +146,7 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
                       events_->record(*side));
     }
   }
-  if (gathering_.empty() || gathering_.back() != index) release(index);
+  if (!shard_.deferred(index)) release(index);
   if (recycler_) note_peak();  // (kept storage counts as held)
 }
 
@@ -173,14 +173,14 @@ void Reducer::set_optimizer(OptimizerSpec spec) {
     host.threads = options_.offload_threads;
     host.max_grad_norm = options_.max_grad_norm;
     offload_ = std::make_unique<HostOffload>(params_, std::move(fused), host);
-    offload_->set_layout(buckets_, shards_);
+    offload_->set_layout(buckets_, shard_.shards());
     // The NaN check runs before the host steps: they wait for the end of backward.
     if (nan_.enabled()) offload_->hold_steps();
     return;  // (spec.fallback is not needed: the host steps every bucket)
   }
   fused_ = std::move(fused);
   fallback_ = std::move(spec.fallback);
-  if (fused_) fused_->set_shards(shards_);
+  if (fused_) fused_->set_shards(shard_.shards());
 }
 
 void Reducer::wait_for_steps(bool host_too) {
@@ -192,7 +192,7 @@ OffloadStats Reducer::offload_stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   if (offload_) return offload_->stats();
   OffloadStats stats;
-  stats.grad_norm = options_.max_grad_norm ? grad_norm_ : -1;  // (shard_optimizer_state)
+  stats.grad_norm = options_.max_grad_norm ? shard_.grad_norm() : -1;  // (shard_optimizer_state)
   return stats;
 }
 
