@@ -1,17 +1,56 @@
 """Shared test setup: fresh random data every run (seed in the report header, and after a
-failure at the end, replayable with LEANDDP_TEST_SEED=<seed>), and the `device` parameter: cpu,
-and cuda unless no GPU is visible."""
+failure at the end, replayable with LEANDDP_TEST_SEED=<seed>), the `device` parameter: cpu,
+and cuda unless no GPU is visible, and every folder of tests/ on sys.path (see below)."""
 
 from __future__ import annotations
 
+import collections
 import os
 import random
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 
 import leanddp  # fails loudly here, with how to fix it, if the extension is not built
+
+TESTS = Path(__file__).resolve().parent
+#: folders of tests/ whose modules are not imported by name
+NOT_ON_PATH = {"scripts", "__pycache__"}
+
+
+def module_folders() -> list[Path]:
+    """tests/ and its folders of test modules and shared helpers (support/), sorted."""
+    folders = [p for p in TESTS.iterdir() if p.is_dir() and p.name not in NOT_ON_PATH]
+    return [TESTS, *sorted(p for p in folders if not p.name.startswith("."))]
+
+
+def duplicate_module_names(folders: list[Path]) -> dict[str, list[Path]]:
+    """Module names that more than one of `folders` holds, with the files."""
+    files = collections.defaultdict(list)
+    for folder in folders:
+        for path in sorted(folder.glob("*.py")):
+            files[path.stem].append(path)
+    return {name: paths for name, paths in files.items() if len(paths) > 1}
+
+
+# Every folder first on sys.path, as one flat folder would be: a module imports a helper of
+# support/ (or another test module) by its plain name wherever either lives, and so do the rank
+# processes the tests spawn, which start with this sys.path and unpickle their functions by
+# module name. pytest imports test files the same way (its default "prepend" mode, no
+# __init__.py), so module names must be unique across the folders: checked below.
+for _folder in reversed(module_folders()):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
+
+
+def pytest_configure(config):
+    duplicates = duplicate_module_names(module_folders())
+    if duplicates:
+        raise pytest.UsageError(f"module names must be unique under tests/: {duplicates}")
+
 
 BASE_SEED = int(os.environ.get("LEANDDP_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
 
