@@ -13,13 +13,14 @@
 #           kernels and build/gpu-suite.stamp matches the hash of csrc/, python/, setup.py and
 #           pyproject.toml, the GPU's architecture and the torch version
 #   the tests part: pytest with the GPU visible, over the cases that need one (-k "cuda or gpu":
-#           their CPU cases run in CI) of tests/test_flatten.py tests/test_optim_ops.py
-#           tests/test_cuda_ops.py tests/test_layout_ops.py tests/test_offload.py
-#           tests/test_in_backward_lowp.py tests/test_cuda_ddp.py; then compute-sanitizer
-#           memcheck, racecheck and synccheck, each over the op tests' CUDA cases (-k cuda) and
-#           test_cuda_ddp.py's in_backward parity cases; a run fails on "ERROR SUMMARY: N errors"
-#           with N > 0, on a failing test, on no summary, on a timeout. CI (tests/test_gpu_suite.py)
-#           runs the same pytest arguments without a GPU: each case must skip cleanly
+#           their CPU cases run in CI) of tests/ops/test_flatten.py tests/ops/test_optim_ops.py
+#           tests/ops/test_cuda_ops.py tests/ops/test_layout_ops.py tests/offload/test_offload.py
+#           tests/in_backward/test_in_backward_lowp.py tests/device/test_cuda_ddp.py; then
+#           compute-sanitizer memcheck, racecheck and synccheck, each over the op tests' CUDA
+#           cases (-k cuda) and test_cuda_ddp.py's in_backward parity cases; a run fails on
+#           "ERROR SUMMARY: N errors" with N > 0, on a failing test, on no summary, on a
+#           timeout. CI (tests/tools/test_gpu_suite.py) runs the same pytest arguments without
+#           a GPU: each case must skip cleanly
 #   the bench part: memory_timeline.py (fp32, bf16), step_time.py (GPT-2 small, bf16 and fp32),
 #           benchmarks/bench_ops.py --device cuda, then report.py: OUT_DIR/report.md; both
 #           benchmarks include leanddp in-backward sharded (shard_optimizer_state) at world size
@@ -65,13 +66,14 @@ SMOKE=0
 TESTS_BUDGET_S=570   # the tests part, pytest included: 9.5 minutes
 SANITIZER_MAX_S=240  # one compute-sanitizer run at most
 SANITIZER_MIN_S=60   # one compute-sanitizer run at least (pytest is capped so that three fit)
-OPS_TESTS=(tests/test_flatten.py tests/test_optim_ops.py tests/test_cuda_ops.py tests/test_layout_ops.py)
-DDP_TESTS=tests/test_cuda_ddp.py
+OPS_TESTS=(tests/ops/test_flatten.py tests/ops/test_optim_ops.py tests/ops/test_cuda_ops.py
+  tests/ops/test_layout_ops.py)
+DDP_TESTS=tests/device/test_cuda_ddp.py
 # the tests part's pytest arguments: the cases of these files that need a GPU (their CPU cases
-# run in CI; tests/test_gpu_suite.py runs these arguments there, where each must skip cleanly)
+# run in CI; tests/tools/test_gpu_suite.py runs these arguments there, where each must skip cleanly)
 GPU_CASES="cuda or gpu"
-PYTEST_ARGS=(-k "$GPU_CASES" "${OPS_TESTS[@]}" tests/test_offload.py tests/test_in_backward_lowp.py
-  "$DDP_TESTS")
+PYTEST_ARGS=(-k "$GPU_CASES" "${OPS_TESTS[@]}" tests/offload/test_offload.py
+  tests/in_backward/test_in_backward_lowp.py "$DDP_TESTS")
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 bad_usage() {

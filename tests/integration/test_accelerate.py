@@ -21,7 +21,7 @@ pytest.importorskip("accelerate")
 
 import leanddp  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "accelerate_leanddp.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_leanddp.py"
 MARKER = "ACCELERATE_LEANDDP_RESULT"
 MICRO_BATCHES = 16  # 2 epochs of 64 samples, 2 processes, batch 4, accumulation over 2
 RUNS = {

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchrun_gpt.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrun_gpt.py"
 FINAL = re.compile(r"final loss (\S+)  parameter checksum (\S+)")
 
 

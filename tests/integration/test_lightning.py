@@ -20,7 +20,7 @@ import leanddp
 
 pytest.importorskip("lightning", reason="lightning is not installed (pip install lightning)")
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lightning_leanddp.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_leanddp.py"
 MARKER = re.compile(
     r"rank (\d): wrapped by ([\w.]+?DistributedDataParallel), optimizer_in_backward=(True|False)"
 )

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-SUITE = Path(__file__).parent / "scripts" / "torch_ddp_suite.py"
-DOC = Path(__file__).parents[1] / "docs" / "ddp.md"
+SUITE = Path(__file__).parents[1] / "scripts" / "torch_ddp_suite.py"
+DOC = Path(__file__).parents[2] / "docs" / "ddp.md"
 BEGIN, END = "<!-- torch-ddp-tests:begin -->", "<!-- torch-ddp-tests:end -->"
 TORCH_CLASS = "torch.nn.parallel.distributed.DistributedDataParallel"
 LEANDDP_CLASS = "leanddp.ddp.DistributedDataParallel"

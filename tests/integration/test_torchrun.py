@@ -8,7 +8,7 @@ from pathlib import Path
 
 from dist_harness import _free_port
 
-SCRIPT = Path(__file__).parent / "scripts" / "torchrun_parity.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "torchrun_parity.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 

@@ -136,6 +136,6 @@ def test_isa_variants_equal_torch_and_each_other(tmp_path):
 def test_every_variant_vectorizes():
     """The built kernels' inner loops use their variant's packed instructions
     (tests/scripts/check_vectorized.py): a loop the compiler left scalar fails here."""
-    script = Path(__file__).parent / "scripts" / "check_vectorized.py"
+    script = Path(__file__).parents[1] / "scripts" / "check_vectorized.py"
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr

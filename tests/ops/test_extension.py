@@ -97,7 +97,7 @@ def test_extension_built_for_another_torch_is_refused():
 
 # -- the build refuses a torch other than the installed one (build_support.py, run by setup.py)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 import build_support  # noqa: E402
 

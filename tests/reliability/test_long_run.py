@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "long_run.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "long_run.py"
 CONFIGS = ["everything", "device", "views"]
 
 

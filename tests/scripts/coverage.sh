@@ -65,12 +65,12 @@ START=$SECONDS
 # run configurations the other files run already, at length or through other launchers).
 DEFAULT_TESTS=(
   tests
-  --ignore=tests/test_bench.py            # the benchmark CLI: timing, the same training loop
-  --ignore=tests/test_torch_ddp_suite.py  # torch's own DDP tests, ported: minutes, same paths
-  --ignore=tests/test_lightning.py        # integrations: the same wrapper under Lightning,
-  --ignore=tests/test_accelerate.py       #   Accelerate
-  --ignore=tests/test_long_run.py         # many steps of configurations parity tests run
-  --ignore=tests/test_properties.py       # randomized models over the same code paths
+  --ignore=tests/tools/test_bench.py                  # the benchmark CLI: timing, the same loop
+  --ignore=tests/integration/test_torch_ddp_suite.py  # torch's own DDP tests: minutes, same paths
+  --ignore=tests/integration/test_lightning.py        # integrations: the same wrapper under
+  --ignore=tests/integration/test_accelerate.py       #   Lightning, Accelerate
+  --ignore=tests/reliability/test_long_run.py         # many steps of what parity tests run
+  --ignore=tests/ddp/test_properties.py               # randomized models over the same code paths
 )
 
 report_only=0

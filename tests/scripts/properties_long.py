@@ -30,7 +30,7 @@ def main() -> int:
     )
     command = [
         sys.executable, "-m", "pytest", "-s", "-q", "-p", "no:cacheprovider",
-        "test_properties.py::test_leanddp_trains_as_torch_ddp",
+        "ddp/test_properties.py::test_leanddp_trains_as_torch_ddp",
         f"--hypothesis-seed={seed}", "--hypothesis-show-statistics",
     ]  # fmt: skip
     return subprocess.call(command, cwd=TESTS, env=env)

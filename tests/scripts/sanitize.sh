@@ -74,7 +74,7 @@ START=$SECONDS
 DESELECT=(
   # measured: RSS grew 27 MiB from step 10 to 30 under ASan (8.6 MiB even with
   # quarantine_size_mb=0), while every parity check of the run passed with no sanitizer report
-  "tests/test_long_run.py::test_every_configuration_keeps_parity_and_memory|fails only its resident-memory check (RSS may grow at most 8 MiB from step 10 to 30): under ASan, RSS grows by design (quarantine of freed memory, redzones, shadow pages, an allocator that keeps what it frees)"
+  "tests/reliability/test_long_run.py::test_every_configuration_keeps_parity_and_memory|fails only its resident-memory check (RSS may grow at most 8 MiB from step 10 to 30): under ASan, RSS grows by design (quarantine of freed memory, redzones, shadow pages, an allocator that keeps what it frees)"
 )
 
 # ---------------------------------------------------------------------------------------------

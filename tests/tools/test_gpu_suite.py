@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SUITE = REPO / "benchmarks" / "gpu"
 #: the tolerances step_time.py states (largest difference over largest magnitude)
 PARAM_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2}
@@ -82,7 +82,8 @@ def test_gpu_cases_skip_cleanly_without_a_gpu() -> None:
     assert listed.returncode == 0, listed.stderr
     args = listed.stdout.splitlines()
     files = [a for a in args if a.endswith(".py")]
-    assert "tests/test_cuda_ddp.py" in files and all((REPO / f).is_file() for f in files), args
+    assert "tests/device/test_cuda_ddp.py" in files, args
+    assert all((REPO / f).is_file() for f in files), args
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args],
         cwd=REPO,
@@ -96,7 +97,7 @@ def test_gpu_cases_skip_cleanly_without_a_gpu() -> None:
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (\w+)", summary)}
     others = set(counts) - {"skipped", "deselected", "warnings", "warning"}
     assert proc.returncode == 0 and counts.get("skipped") and not others, out[-6000:]
-    skips = re.findall(r"^SKIPPED \[(\d+)\] (tests/[\w.]+):\d+: (.*)$", out, re.M)
+    skips = re.findall(r"^SKIPPED \[(\d+)\] (tests/[\w./]+):\d+: (.*)$", out, re.M)
     assert sum(int(n) for n, _, _ in skips) == counts["skipped"], out[-6000:]
     bad = {reason for _, _, reason in skips if "GPU" not in reason}
     assert not bad, f"skipped for another reason than a missing GPU: {bad}"

@@ -18,7 +18,7 @@ from torch import nn
 import leanddp
 from leanddp import _memory, plan
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "memory.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "memory.md"
 MODES = {m.name: m for m in _memory.MODES}
 #: docs/memory.md's table rows, in order, and the configuration each describes
 DOC_ROWS = [
