@@ -91,5 +91,6 @@ def test_compile_matches_eager(where: str, in_backward: bool) -> None:
     run_ranks(2, train_both, where, in_backward, "aot_eager")
 
 
+@pytest.mark.slow
 def test_compile_with_inductor_matches_eager() -> None:
     run_ranks(2, train_both, "outside", False, "inductor")

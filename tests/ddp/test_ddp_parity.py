@@ -66,13 +66,14 @@ def _parity(
                 assert ours.branch.weight.grad is not None
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.extra_ranks)])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("unused", [False, True], ids=["all-used", "unused-branch"])
 def test_parity_with_torch_ddp(world_size: int, optimizer: str, unused: bool) -> None:
     run_ranks(world_size, _parity, unused, optimizer)
 
 
+@pytest.mark.extra_ranks
 def test_parity_with_torch_ddp_on_four_ranks() -> None:
     """Four ranks (slow on small machines): views x no_sync x find_unused, default buckets."""
     cases = [

@@ -32,6 +32,8 @@ from hypothesis import strategies as st
 from property_models import Block, Branch, Spec
 from property_pool import RankPool
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES = int(os.environ.get("LEANDDP_PROPERTY_EXAMPLES", 50))
 RANDOM = os.environ.get("LEANDDP_PROPERTY_RANDOM") == "1"
 PROGRESS = os.environ.get("LEANDDP_PROPERTY_PROGRESS") == "1"  # a line per example (with -s)

@@ -17,6 +17,7 @@ import copy
 import functools
 import itertools
 
+import pytest
 import torch
 import torch.distributed as dist
 from ddp_models import Case, LockStep, Net, accumulate, assert_same
@@ -27,6 +28,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import leanddp
 from leanddp._extension import _C
+
+pytestmark = pytest.mark.leanddp_paths
 
 STEPS = 3
 TINY = 0.0005  # MiB: a bucket per parameter or two, so the window fills and finishes buckets

@@ -84,6 +84,7 @@ def _three_ranks(rank: int, world_size: int) -> None:
     _train(rank, run, "adamw-groups, 3 ranks", accum=3, static=False)
 
 
+@pytest.mark.extra_ranks
 def test_parity_three_ranks() -> None:
     run_ranks(3, _three_ranks)
 

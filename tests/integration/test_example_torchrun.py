@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrun_gpt.py"
 FINAL = re.compile(r"final loss (\S+)  parameter checksum (\S+)")
 

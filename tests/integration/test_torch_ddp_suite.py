@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.torch_suite
+
 SUITE = Path(__file__).parents[1] / "scripts" / "torch_ddp_suite.py"
 DOC = Path(__file__).parents[2] / "docs" / "ddp.md"
 BEGIN, END = "<!-- torch-ddp-tests:begin -->", "<!-- torch-ddp-tests:end -->"

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from dist_harness import _free_port
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "torchrun_parity.py"
@@ -23,6 +24,7 @@ def test_torchrun_two_ranks() -> None:
     assert "PARITY OK" in result.stdout
 
 
+@pytest.mark.slow
 def test_torchrun_two_nodes_c10d_rendezvous() -> None:
     endpoint = f"127.0.0.1:{_free_port()}"
     nodes = [

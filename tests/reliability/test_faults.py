@@ -15,6 +15,8 @@ from torch import nn
 
 import leanddp
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT_S = PG_TIMEOUT.total_seconds()
 
 CONFIGS = {

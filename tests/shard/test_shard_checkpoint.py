@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -16,6 +17,8 @@ from dist_harness import run_ranks
 from in_backward_models import OPTIMIZERS, InBackwardLockStep, assert_params_close
 
 import leanddp
+
+pytestmark = pytest.mark.leanddp_paths
 
 SHARD = dict(shard_optimizer_state=True)
 

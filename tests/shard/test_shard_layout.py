@@ -89,7 +89,7 @@ def _reduce_to_shard(rank: int, world_size: int) -> None:
         _C._reduce_to_shard(group, torch.zeros(3), [0], [5], 5, 4)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.extra_ranks)])
 def test_reduce_to_shard_sums_each_ranks_shard(world_size: int) -> None:
     """gloo's path (an allreduce, the rank keeps its shard) against an all-gather and a sum,
     at 3 ranks with padding and slots cut by shard boundaries."""
@@ -119,7 +119,7 @@ def _pack_and_gather(rank: int, world_size: int) -> None:
         _C._pack_and_gather_shards(group, flat, offsets, numels, bucket_numel, 4, wrong)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.extra_ranks)])
 def test_gathered_shards_hold_each_owners_weights(world_size: int) -> None:
     """Each rank packs its pieces of the weights into its shard; the in-place all-gather then
     gives every rank the owner's values in every slot (gloo, 2 and 3 ranks)."""

@@ -30,6 +30,8 @@ from test_in_backward_lowp import _assert_close, _loss, _pair, _tolerance
 import leanddp
 from leanddp import _C
 
+pytestmark = pytest.mark.leanddp_paths
+
 STEPS = 5
 BATCH = 6
 SHARD = dict(shard_optimizer_state=True)

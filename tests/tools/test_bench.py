@@ -16,6 +16,8 @@ from leanddp.bench import main
 from leanddp.bench._model import SIZES, TinyGPT
 from leanddp.bench._report import device_bytes_per_param, table
 
+pytestmark = pytest.mark.slow
+
 SHARDED = "leanddp in-backward sharded"
 UNSHARDED = "leanddp + optimizer_in_backward"
 SHARDED_OFFLOAD = "leanddp offload sharded"

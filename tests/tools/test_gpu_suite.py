@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 SUITE = REPO / "benchmarks" / "gpu"
 #: the tolerances step_time.py states (largest difference over largest magnitude)
