@@ -133,7 +133,7 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE float madd(float a, float b, float c) {
 // numel % 8 elements of a float tensor
 // (% 16 of a 16-bit one), which torch's CPU kernel steps in a scalar loop where its build fuses
 // the second moment's other product (measured against torch's DEFAULT, AVX2 and AVX-512 kernels:
-// tests/test_cpu_isa.py).
+// tests/ops/test_cpu_isa.py).
 template <bool kFma, bool kL2, bool kLerpSmall, bool kAmp = true, bool kTail = false>
 C10_HOST_DEVICE C10_ALWAYS_INLINE void adam_update(float& p, float g, float& m, float& v,
                                                    const AdamConsts& c) {

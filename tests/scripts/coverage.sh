@@ -4,10 +4,10 @@
 # tests never executed (tests/scripts/coverage_report.py). docs/gpu-only-code.md is that list,
 # classified: what only a GPU runs, what the CPU suite misses, error paths.
 #
-#   tests/scripts/coverage.sh                              # the default selection (below)
-#   tests/scripts/coverage.sh tests/test_offload.py -x     # arguments replace it (pytest's)
+#   tests/scripts/coverage.sh                                   # the default selection (below)
+#   tests/scripts/coverage.sh tests/offload/test_offload.py -x  # arguments replace it (pytest's)
 #   PYTHON=/path/to/venv/bin/python MAX_JOBS=2 tests/scripts/coverage.sh
-#   tests/scripts/coverage.sh --report-only                # list the counts of the last run again
+#   tests/scripts/coverage.sh --report-only                     # the last run's counts again
 #
 # The checkout is left alone: the script snapshots it (tracked files and untracked, not ignored
 # ones) into $LEANDDP_COVERAGE_DIR/src (default /tmp/leanddp-coverage-$USER/src), builds the
@@ -37,8 +37,8 @@
 #   it exits normally (libgcov merges them under a file lock, so ranks exiting together are
 #   safe): pytest itself, torch.multiprocessing ranks, torchrun workers, `python -c`
 #   subprocesses. PYTHONPATH is exported, so they all import the snapshot's build.
-# - A process that leaves by os._exit (the fault tests' ranks do, tests/fault_harness.py) skips
-#   that: a sitecustomize.py put first on PYTHONPATH wraps os._exit to call the extension's
+# - A process that leaves by os._exit (the fault tests' ranks do, tests/support/fault_harness.py)
+#   skips that: a sitecustomize.py put first on PYTHONPATH wraps os._exit to call the extension's
 #   __gcov_dump first (setup.py keeps that symbol in coverage builds). A process killed by a
 #   signal loses its counts: the tests kill only ranks that hang or whose peer failed.
 # - CUDA_VISIBLE_DEVICES is emptied: the build is CPU-only, so the tests' `cuda` cases are

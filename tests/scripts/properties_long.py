@@ -1,5 +1,5 @@
-"""A longer run of tests/test_properties.py's property: fresh random examples (not CI's fixed
-ones), a line per example, hypothesis's statistics at the end.
+"""A longer run of tests/ddp/test_properties.py's property: fresh random examples (not CI's
+fixed ones), a line per example, hypothesis's statistics at the end.
 
     cd tests && PYTHONPATH=../python python scripts/properties_long.py --examples 500
 

@@ -2,8 +2,8 @@
 # Builds leanddp's C++ extension with AddressSanitizer + UndefinedBehaviorSanitizer
 # (LEANDDP_SANITIZE=1, see setup.py) and runs the test suite under them; fails on any finding.
 #
-#   tests/scripts/sanitize.sh                               # the whole suite
-#   tests/scripts/sanitize.sh tests/test_ddp_parity.py -x   # extra arguments go to pytest
+#   tests/scripts/sanitize.sh                                   # the whole suite
+#   tests/scripts/sanitize.sh tests/ddp/test_ddp_parity.py -x   # extra arguments go to pytest
 #   PYTHON=/path/to/venv/bin/python MAX_JOBS=2 tests/scripts/sanitize.sh
 #
 # The checkout is left alone: the script snapshots it (tracked files and untracked, not ignored

@@ -9,7 +9,7 @@ every name the tests reach it by: ``torch.nn.parallel.DistributedDataParallel`` 
 and the module-level ``DistributedDataParallel`` that distributed_test.py imports. It writes one
 JSON record per test: its outcome (passed, failed, skipped), the traceback of a failure, and
 the classes of every DDP object the ranks constructed, so the caller can check that the swap
-really happened (tests/test_torch_ddp_suite.py does).
+really happened (tests/integration/test_torch_ddp_suite.py does).
 
 Which tests count as DDP tests (chosen from the file itself, so each torch version gets its own
 list): every test of ``DistributedTest._DistTestBase`` whose name contains ``ddp`` or

@@ -1,5 +1,6 @@
-"""Launched by tests/test_torchrun.py with torchrun: trains leanddp and torch's DDP side by side
-on the environment torchrun sets up and checks they agree bitwise; rank 0 prints PARITY OK."""
+"""Launched by tests/integration/test_torchrun.py with torchrun: trains leanddp and torch's DDP
+side by side on the environment torchrun sets up and checks they agree bitwise; rank 0 prints
+PARITY OK."""
 
 import os
 import sys
