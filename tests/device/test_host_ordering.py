@@ -8,7 +8,7 @@ Their operations complete at once on the host, and are counted: each case assert
 ran, and trains against torch's DDP + the same torch optimizer in the same processes.
 
 What a seam cannot show (real concurrency between the host and a device, NCCL's own ordering,
-pinned memory, CUDA timing) is tests/test_cuda_ddp.py's, on a GPU.
+pinned memory, CUDA timing) is tests/device/test_cuda_ddp.py's, on a GPU.
 """
 
 from __future__ import annotations
@@ -191,8 +191,8 @@ class _Mixed(nn.Module):
 def _mixed_offload(rank: int, world_size: int) -> None:
     """offload_to_cpu with bfloat16 and float32 buckets through the device staging path (each
     bucket's weights come back through a device buffer of its own dtype), bitwise equal to the
-    host path, which tests/test_offload.py holds to torch and to float64; float32 state and
-    masters for both."""
+    host path, which tests/offload/test_offload.py holds to torch and to float64; float32 state
+    and masters for both."""
     torch.manual_seed(0)
     model = _Mixed()
     factory = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)

@@ -1,7 +1,7 @@
 """optimizer_in_backward when reductions report done late, as NCCL's do on the host (a process
-group whose works are not completed until waited for; tests/lazy_pg.py): buckets are still
-stepped and released inside backward, in launch order, with never more than the window of
-buckets in flight, and training matches torch's DDP + the same torch optimizer."""
+group whose works are not completed until waited for; tests/support/lazy_pg.py): buckets are
+still stepped and released inside backward, in launch order, with never more than the window
+of buckets in flight, and training matches torch's DDP + the same torch optimizer."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ data in the same processes: parameters after every step within 1e-5 relative, fo
 scheduler, no_sync accumulation, tiny buckets, unused parameters and static graphs, and
 optimizers without a fused kernel (Adagrad, AMSGrad) through the per-bucket fallback.
 
-The model (tests/ddp_models.Net) has tied weights, a frozen layer, BatchNorm buffers and a
-float64 layer: that layer's bucket is always stepped by the fallback, so fused and fallback
+The model (tests/support/ddp_models.Net) has tied weights, a frozen layer, BatchNorm buffers
+and a float64 layer: that layer's bucket is always stepped by the fallback, so fused and fallback
 buckets are mixed in one backward.
 """
 

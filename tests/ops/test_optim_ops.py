@@ -437,7 +437,7 @@ def test_opcheck(device):
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_is_bit_identical_to_cpu(grad_dtype):
     """Both backends share the arithmetic and round alike (no FMA contraction on either), but
-    in the tails the CPU steps as torch's scalar loop does (tests/cpu_tails.py)."""
+    in the tails the CPU steps as torch's scalar loop does (tests/support/cpu_tails.py)."""
     shapes = _shapes(8)
     cpu = [[torch.randn(s) for s in shapes] for _ in range(4)]  # params, m, v, momentum
     gpu = [[t.cuda() for t in lst] for lst in cpu]

@@ -1,5 +1,5 @@
-"""Random models for tests/test_properties.py, described by a picklable :class:`Spec`, and the
-per-rank body of one example: torch's DDP + a torch optimizer against leanddp (with the same
+"""Random models for tests/ddp/test_properties.py, described by a picklable :class:`Spec`, and
+the per-rank body of one example: torch's DDP + a torch optimizer against leanddp (with the same
 optimizer, or ``optimizer_in_backward``), in lock step on the same data, compared after every
 step.
 
@@ -284,8 +284,8 @@ def run_example(spec: Spec, rank: int, groups: tuple[dist.ProcessGroup, dist.Pro
     """Trains torch's DDP and leanddp side by side as ``spec`` says; raises AssertionError on
     the first difference. With two ranks and the same torch optimizer on both sides the
     arithmetic is the same (divide by 2, one addition), so gradients, parameters and buffers
-    are bitwise equal (as in tests/test_ddp_parity.py). With optimizer_in_backward buffers are
-    bitwise equal too, and each step's parameters and optimizer state within STEP_RTOL."""
+    are bitwise equal (as in tests/ddp/test_ddp_parity.py). With optimizer_in_backward buffers
+    are bitwise equal too, and each step's parameters and optimizer state within STEP_RTOL."""
     torch.manual_seed(spec.seed + 1000 * rank)  # different initial weights on every rank
     model = PropNet(spec, rank)
     factory = OPTIMIZERS[spec.optimizer]

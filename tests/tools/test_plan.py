@@ -1,7 +1,8 @@
 """``python -m leanddp.plan`` and the memory model behind it (leanddp._memory): the model's
 per-parameter figures are docs/memory.md's table, a module's buckets are the Reducer's, the
 host categories are what a running offload job reports, and "largest model" is a boundary. The
-planner against what the bench measures, configuration by configuration: tests/test_bench.py."""
+planner against what the bench measures, configuration by configuration:
+tests/tools/test_bench.py."""
 
 from __future__ import annotations
 
