@@ -1,10 +1,17 @@
 """The end of a wrapper's life: dropped, it is freed by reference counting (its buckets, optimizer
 state and process group with it); still alive at interpreter exit, its Reducer lets go of the
 process group, in-flight works and Python hook and stepper at exit, before finalization, and a
-later synchronized forward raises a clear error."""
+later synchronized forward raises a clear error.
+
+And the end of a test rank (dist_harness): one that finished and tore its group down exits 0
+after its exit handlers, without finalizing the interpreter, where torch can abort after the
+work is done ("terminate called without an active exception", docs/troubleshooting.md); an
+abort or exception before that still fails the test, with its traceback."""
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import functools
 import gc
 import os
@@ -15,6 +22,8 @@ import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from dist_harness import _free_port, run_ranks
 from torch import nn
 
@@ -101,3 +110,46 @@ def _close_twice(rank: int, world_size: int) -> None:
 
 def test_close_is_idempotent_and_a_closed_wrapper_refuses_to_reduce() -> None:
     run_ranks(1, _close_twice)
+
+
+def _abort_in_c_exit_handlers() -> None:
+    """abort() as a C exit handler: it runs only if the process finalizes the interpreter and
+    exits through exit(), as torch's late aborts do."""
+    libc = ctypes.CDLL(None)
+    libc.__cxa_atexit(ctypes.cast(libc.abort, ctypes.c_void_p), None, None)
+
+
+def _finishes(rank: int, world_size: int, marks: str) -> None:
+    _abort_in_c_exit_handlers()
+    atexit.register(lambda: open(f"{marks}.{rank}", "w").close())
+    ddp = leanddp.DistributedDataParallel(nn.Linear(4, 2), optimizer_in_backward=ADAGRAD)
+    ddp(torch.randn(3, 4)).sum().backward()
+
+
+def test_a_finished_rank_runs_its_exit_handlers_and_skips_finalization(tmp_path) -> None:
+    marks = tmp_path / "atexit"
+    run_ranks(2, _finishes, str(marks))  # no SIGABRT from the C exit handler
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit.0", "atexit.1"]
+
+
+def _fails(rank: int, world_size: int, where: str) -> None:
+    _abort_in_c_exit_handlers()  # a late abort must not replace what failed first
+    if where == "raise":
+        raise ValueError(f"a check failed on rank {rank}")
+    if where == "fn":
+        os.abort()
+    if where == "teardown":
+        dist.destroy_process_group = os.abort  # the harness's teardown call
+    if where == "exit handler":
+        atexit.register(os.abort)
+
+
+@pytest.mark.parametrize("where", ["fn", "teardown", "exit handler"])
+def test_an_abort_before_the_rank_ends_fails_the_test(where: str) -> None:
+    with pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
+        run_ranks(1, _fails, where)
+
+
+def test_an_exception_fails_the_test_with_its_traceback() -> None:
+    with pytest.raises(mp.ProcessRaisedException, match=r"(?s)in _fails.*ValueError: a check"):
+        run_ranks(1, _fails, "raise")

@@ -5,16 +5,27 @@ default group (gloo, or ``backend=``) on a fresh TCP port and calls
 ``fn(rank, world_size, *args)``. ``fn`` must be a module-level function (it is pickled by
 name). A failure on any rank fails the test with that rank's traceback; a hang is cut off by
 the process group timeout.
+
+A rank that finished ``fn`` and tore its group down leaves through ``leave()``: the exit
+handlers run (atexit, ``weakref.finalize``: where leanddp closes a wrapper still alive), then
+the process ends without finalizing the interpreter. What finalization would still run is
+torch's, not the test's, and it can abort the process after the test passed (see
+docs/troubleshooting.md, "terminate called without an active exception"). An abort or
+exception before that point (in ``fn``, in the teardown, in an exit handler) still fails the
+test.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import datetime
 import gc
 import os
 import socket
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -53,6 +64,20 @@ def init_rank(
     )
 
 
+def leave() -> NoReturn:
+    """Ends this process with exit code 0 after its exit handlers (``atexit``, and with it
+    ``weakref.finalize``), without finalizing the interpreter or running C/C++ exit handlers and
+    static destructors. For a process whose work is done and whose process groups are torn
+    down: only what outlives that can still fail there (torch's gloo threads, see module doc).
+    An exception in an exit handler is printed, as at a normal exit; an abort in one still
+    kills the process."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    ctypes.CDLL(None).fflush(None)  # C stdio buffers (a C++ library's printf)
+    os._exit(0)
+
+
 def _entry(
     rank: int,
     world_size: int,
@@ -74,6 +99,7 @@ def _entry(
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    leave()  # only once fn, its checks and the teardown all succeeded
 
 
 def run_ranks(
