@@ -11,8 +11,11 @@ in the same processes. Rank 0 writes the result as JSON to ``--result``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import ctypes
 import functools
+import gc
 import json
 import os
 import resource
@@ -20,7 +23,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -277,6 +280,10 @@ def run(args: argparse.Namespace) -> dict:
         world_size=dist.get_world_size(),
         backend=dist.get_backend(),
     )
+    # The wrappers let go of their process groups first, so that tearing the group down ends
+    # gloo's threads here, not at interpreter exit.
+    del ddp, opt
+    gc.collect()
     dist.destroy_process_group()
     return result
 
@@ -296,9 +303,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def leave() -> NoReturn:
+    """Ends a rank whose result is written and whose process group is torn down: its exit
+    handlers run (atexit, weakref.finalize), then the process ends with code 0 without
+    finalizing the interpreter, where torch's gloo worker can still abort a finished process
+    (docs/troubleshooting.md, "terminate called without an active exception"). An exception
+    before this point still fails the rank."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    ctypes.CDLL(None).fflush(None)  # C stdio buffers
+    os._exit(0)
+
+
 if __name__ == "__main__":
     arguments = parse(sys.argv[1:])
     outcome = run(arguments)
     if int(os.environ.get("RANK", "0")) == 0:
         with open(arguments.result, "w") as f:
             json.dump(outcome, f)
+    leave()
