@@ -8,11 +8,12 @@ the process group timeout.
 
 A rank that finished ``fn`` and tore its group down leaves through ``leave()``: the exit
 handlers run (atexit, ``weakref.finalize``: where leanddp closes a wrapper still alive), then
-the process ends without finalizing the interpreter. What finalization would still run is
-torch's, not the test's, and it can abort the process after the test passed (see
-docs/troubleshooting.md, "terminate called without an active exception"). An abort or
-exception before that point (in ``fn``, in the teardown, in an exit handler) still fails the
-test.
+the process ends without finalizing the interpreter. Finalization would only free what is left
+(a wrapper a test keeps alive holds its process group, and gloo's threads, into it), and torch
+can abort there after the test passed (docs/troubleshooting.md, "terminate called without an
+active exception"); test_exit.py runs leanddp through a real interpreter exit in subprocesses.
+An abort or exception before that point (in ``fn``, in the teardown, in an exit handler) still
+fails the test.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import gc
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -65,12 +67,14 @@ def init_rank(
 
 
 def leave() -> NoReturn:
-    """Ends this process with exit code 0 after its exit handlers (``atexit``, and with it
-    ``weakref.finalize``), without finalizing the interpreter or running C/C++ exit handlers and
-    static destructors. For a process whose work is done and whose process groups are torn
-    down: only what outlives that can still fail there (torch's gloo threads, see module doc).
-    An exception in an exit handler is printed, as at a normal exit; an abort in one still
-    kills the process."""
+    """Ends this process with exit code 0 as a normal exit would up to its exit handlers (waits
+    for non-daemon threads, runs ``atexit`` and so ``weakref.finalize`` handlers, flushes), but
+    without finalizing the interpreter or running C/C++ exit handlers and static destructors.
+    For a process whose work is done and whose process groups are torn down. An exception in
+    an exit handler is printed, as at a normal exit; an abort in one still kills the process."""
+    for thread in threading.enumerate():  # as a normal exit, wait for non-daemon threads first
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

@@ -21,6 +21,7 @@ import os
 import resource
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import NamedTuple, NoReturn
@@ -304,11 +305,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def leave() -> NoReturn:
-    """Ends a rank whose result is written and whose process group is torn down: its exit
-    handlers run (atexit, weakref.finalize), then the process ends with code 0 without
-    finalizing the interpreter, where torch's gloo worker can still abort a finished process
-    (docs/troubleshooting.md, "terminate called without an active exception"). An exception
-    before this point still fails the rank."""
+    """Ends a rank whose result is written and whose process group is torn down, with code 0,
+    as a normal exit would up to its exit handlers (non-daemon threads joined, atexit and
+    weakref.finalize run, streams flushed), but without finalizing the interpreter, where
+    torch's gloo worker can still abort a finished process (docs/troubleshooting.md,
+    "terminate called without an active exception"). An exception before this point still
+    fails the rank."""
+    for thread in threading.enumerate():  # as a normal exit, wait for non-daemon threads first
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
