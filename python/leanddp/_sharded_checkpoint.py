@@ -81,14 +81,14 @@ def _keys(link: Any, p: int, param: torch.Tensor) -> list[str]:
         keys = ["exp_avg", "exp_avg_sq"]
     else:
         keys = ["momentum_buffer"] if group.get("momentum", 0) != 0 else []
-    if link.offload[0] and param.dtype != torch.float32:
+    if link.offload.enabled and param.dtype != torch.float32:
         keys.append("master_weight")
     return keys
 
 
 def _where(link: Any, param: torch.Tensor) -> tuple[str, torch.dtype]:
     """The device and dtype leanddp keeps parameter ``param``'s state in."""
-    if link.offload[0]:
+    if link.offload.enabled:
         return "cpu", torch.float32
     return str(param.device), param.dtype
 

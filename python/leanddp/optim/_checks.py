@@ -1,0 +1,149 @@
+"""optimizer_in_backward's checks: what the factory returned, which optimizers the fused kernels
+step, and what offload_to_cpu, shard_optimizer_state and grad_scaler need of the parameters.
+
+Every check raises before any state changes (the wrapper's constructor calls them before any
+collective), with an error that names the offending parameter or argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+from torch import Tensor, nn
+
+from ._facade import base_class, base_class_of
+
+if TYPE_CHECKING:
+    from ._link import InBackward
+
+#: The torch classes leanddp's fused kernels step, and the kind (csrc/fused_optim.h) they are.
+_FUSED_KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
+
+
+def fail(message: str, cls: type[Exception] = ValueError) -> NoReturn:
+    """Raises ``cls`` with ``message``, prefixed as every optimizer_in_backward error is."""
+    raise cls(f"leanddp.DistributedDataParallel: optimizer_in_backward: {message}")
+
+
+def build_optimizer(
+    factory: Callable[..., torch.optim.Optimizer],
+    module: nn.Module,
+    trainable: Sequence[tuple[str, nn.Parameter]],
+) -> tuple[torch.optim.Optimizer, list[int]]:
+    """Calls ``factory(module.parameters())`` and checks what it returns: a torch optimizer
+    holding every trainable parameter exactly once and no other parameter that requires a
+    gradient. Returns it and, per trainable parameter, the index of its param group."""
+    optimizer = factory(module.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        fail(
+            f"the factory must return a torch.optim.Optimizer, got {type(optimizer).__name__}",
+            TypeError,
+        )
+    index = {id(p): i for i, (_, p) in enumerate(trainable)}
+    names = {id(p): n for n, p in module.named_parameters()}
+    group_of = [-1] * len(trainable)
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            i = index.get(id(p))
+            if i is None:
+                if p.requires_grad:
+                    fail(
+                        f"the optimizer holds parameter {names.get(id(p), '(not in the module)')!r}"
+                        ", which DistributedDataParallel does not train (it would never be "
+                        "stepped); build the optimizer over the wrapped module's parameters"
+                    )
+                continue
+            if group_of[i] >= 0:
+                fail(f"parameter {trainable[i][0]!r} is in more than one param group")
+            group_of[i] = g
+    missing = [trainable[i][0] for i, g in enumerate(group_of) if g < 0]
+    if missing:
+        fail(
+            f"the optimizer does not hold parameter {missing[0]!r}"
+            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}: every parameter "
+            "that requires a gradient must be optimized (freeze the others with "
+            "requires_grad_(False) before wrapping)"
+        )
+    return optimizer, group_of
+
+
+def fused_kind(optimizer: torch.optim.Optimizer | type) -> str:
+    """ "sgd" or "adam" when leanddp's fused kernels can step this optimizer (or class), else
+    ""."""
+    if isinstance(optimizer, type):
+        return _FUSED_KINDS.get(base_class_of(optimizer), "")
+    kind = _FUSED_KINDS.get(base_class(optimizer), "")
+    for group in optimizer.param_groups:
+        if group.get("differentiable") or group.get("amsgrad"):
+            return ""
+    return kind
+
+
+def check_fused(
+    optimizer: torch.optim.Optimizer,
+    trainable: Sequence[tuple[str, nn.Parameter]],
+    what: str,
+    contiguous: bool,
+) -> None:
+    """``what`` (offload_to_cpu, shard_optimizer_state) steps every parameter with the fused
+    kernels: raises a ValueError naming what they cannot step (before any state changes).
+    ``contiguous``: the parameters must be contiguous (else dense in some layout)."""
+    if not fused_kind(optimizer):
+        fail(
+            f"{what} steps with leanddp's fused kernels, which cover torch.optim.SGD, Adam and "
+            f"AdamW (without amsgrad or differentiable); got {type(optimizer).__name__}"
+            + (" with amsgrad or differentiable set" if fused_kind(type(optimizer)) else "")
+        )
+    for name, p in trainable:
+        if p.dtype not in MASTER_DTYPES:
+            fail(
+                f"{what} steps float32, bfloat16 and float16 parameters; parameter {name!r} is "
+                f"{p.dtype}"
+            )
+        if not (p.is_contiguous() if contiguous else is_dense(p)):
+            fail(
+                f"{what} needs {'contiguous' if contiguous else 'dense'} parameters; parameter "
+                f"{name!r} has strides {p.stride()} (make it contiguous before wrapping)"
+            )
+
+
+MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def is_dense(t: Tensor) -> bool:
+    """Whether ``t`` is non-overlapping and dense in some layout (c10's
+    ``is_non_overlapping_and_dense``, which is what the C++ side's ``can_step`` asks): its
+    elements, ordered by stride, fill exactly ``numel`` consecutive slots."""
+    expected = 1
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz >= 2)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def check_scaler(scaler: Any, link: InBackward, names: Sequence[str]) -> None:
+    """Raises a clear error where the in-backward steps cannot apply ``scaler``."""
+    if not scaler.is_enabled():
+        return
+    if link.offload.enabled:
+        fail(
+            "grad_scaler is not supported with offload_to_cpu (the host steps would have to "
+            "read the scale and found_inf from the device); use bfloat16, which needs no scaler"
+        )
+    if not link.kind:
+        fail(
+            "grad_scaler needs an optimizer leanddp's fused kernels step (torch.optim.SGD, "
+            f"Adam or AdamW without amsgrad or differentiable); got {link.cls.__name__}"
+        )
+    for i, fused in enumerate(link.fused):
+        if not fused:
+            p = link.params[i]
+            fail(
+                f"grad_scaler: parameter {names[i]!r} ({p.dtype}, strides {p.stride()}) is not "
+                "stepped by the fused kernels (float32/bfloat16/float16, contiguous), and a "
+                "per-bucket Python step cannot skip an overflowing step without synchronizing"
+            )

@@ -1,0 +1,218 @@
+"""optimizer_in_backward's link: ``InBackward`` connects ``ddp.optimizer`` to the Reducer.
+
+It hands the optimizer to the Reducer (its kind, parameters, groups, the fallback, offload's
+settings), pushes the live hyper-parameters (and GradScaler's scale) before each forward in the
+fused optimizer's terms, and keeps ``optimizer.state`` pointed at the fused state
+(:class:`~leanddp.optim._state.StateView`), loading checkpoints and adopted entries into it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from ._checks import MASTER_DTYPES, check_scaler, fail, fused_kind, is_dense
+from ._clipping import guard_clipping
+from ._facade import base_class, make_facade
+from ._fallback import FallbackStepper
+from ._state import StateView
+
+
+class OffloadSettings(NamedTuple):
+    """offload_to_cpu's settings, in the order the Reducer's ``set_optimizer`` takes them."""
+
+    enabled: bool = False
+    #: the host worker's OpenMP threads
+    threads: int = 1
+    #: exact global-norm clipping of the host steps (None: none)
+    max_grad_norm: float | None = None
+
+
+def _lr(lr: Any, device: torch.device | None) -> float | Tensor:
+    """The learning rate for the kernels: a one-element tensor on ``device`` (the kernels read
+    it when they run, so the host never waits for it); anything else as a float (a CPU tensor
+    read in host memory). ``device`` None: the host steps (offload_to_cpu), which read a tensor
+    lr in host memory only; reading one from a GPU would synchronize at every forward."""
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1 or lr.dtype not in (torch.float32, torch.float64):
+            fail(f"a tensor lr must have one float32/float64 element, got {lr.dtype} {lr.shape}")
+        if device is not None and lr.device == device:
+            return lr.reshape(())
+        if lr.device.type != "cpu":
+            if device is None:
+                fail(
+                    "with offload_to_cpu the host steps read the learning rate in host memory: "
+                    f"a tensor lr must be on the CPU, got {lr.device}"
+                )
+            fail(
+                f"a tensor lr must be on the parameters' device ({device}) or the CPU, got "
+                f"{lr.device}"
+            )
+    return float(lr)
+
+
+def _hyper(group: dict[str, Any], cls: type, device: torch.device | None = None) -> dict[str, Any]:
+    """A param group's hyper-parameters in the fused optimizer's terms (``device``: where a
+    tensor lr may stay a tensor; None: read it as a float)."""
+    beta1, beta2 = group.get("betas", (0.9, 0.999))
+    return dict(
+        lr=_lr(group["lr"], device),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(group.get("eps", 1e-8)),
+        weight_decay=float(group.get("weight_decay", 0.0)),
+        momentum=float(group.get("momentum", 0.0)),
+        dampening=float(group.get("dampening", 0.0)),
+        nesterov=bool(group.get("nesterov", False)),
+        maximize=bool(group.get("maximize", False)),
+        decoupled=cls is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False)),
+    )
+
+
+class InBackward:
+    """Connects ``ddp.optimizer`` to the Reducer: pushes hyper-parameters before each forward,
+    exposes the fused state as ``optimizer.state`` and loads checkpoints into it."""
+
+    def __init__(
+        self,
+        ddp: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        group_of: list[int],
+        params: list[nn.Parameter],
+        offload: bool = False,
+        offload_threads: int = 1,
+        max_grad_norm: float | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        names: Sequence[str] | None = None,
+        sharded: bool = False,
+    ) -> None:
+        self._ddp = weakref.ref(ddp)  # the Reducer holds the optimizer: no cycle through C++
+        self.optimizer = optimizer
+        self.cls = base_class(optimizer)
+        self.kind = fused_kind(optimizer)
+        self.params = params
+        self.group_of = group_of
+        self.offload = OffloadSettings(offload, offload_threads, max_grad_norm)
+        layout_ok = Tensor.is_contiguous if offload else is_dense
+        self.fused = [bool(self.kind) and p.dtype in MASTER_DTYPES and layout_ok(p) for p in params]
+        self.loading = False  # inside optimizer.load_state_dict(): the state is the loaded one
+        self.device = params[0].device
+        if grad_scaler is not None:
+            check_scaler(grad_scaler, self, names or [str(i) for i in range(len(params))])
+        self.scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
+        self.found_inf: Tensor | None = None  # this iteration's (GradScaler)
+        on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
+        # GradScaler: Adam's step counts live on the device (a skipped step is taken back there).
+        on_device = on_device or self.scaler is not None
+        self.step_device = str(params[0].device) if on_device and not offload else "cpu"
+        self.view = StateView(
+            optimizer,
+            self.kind,
+            params,
+            names or [str(i) for i in range(len(params))],
+            self.fused,
+            group_of,
+            offload,
+            sharded,
+        )
+        self.sharded = sharded
+        self.fallback = FallbackStepper(optimizer, self.cls, params, group_of)
+        make_facade(optimizer, self)
+        guard_clipping(params)
+
+    @property
+    def reducer(self) -> Any:
+        ddp = self._ddp()
+        return None if ddp is None else ddp.reducer
+
+    def attach(self, reducer: Any) -> None:
+        """Hands the optimizer to a (new) Reducer; state already in ``optimizer.state`` moves
+        into it."""
+        reducer.set_optimizer(
+            self.kind,
+            self.params,
+            self.group_of,
+            self._hypers(),
+            self.step_device,
+            self.fallback,
+            *self.offload,
+        )
+        self.view.generation = -1
+        if self.optimizer.__dict__["state"]:
+            self.load_state()
+
+    def wait_for_steps(self) -> None:
+        """Makes the last backward's steps visible to the caller (``ddp.synchronize()``): with
+        offload_to_cpu the host waits for the host steps and raises an error one met; on a GPU
+        the current stream is ordered after the side stream's steps."""
+        reducer = self.reducer
+        if reducer is not None:
+            reducer.wait_for_steps(host_too=self.offload.enabled)
+
+    def _hypers(self) -> list[dict[str, Any]]:
+        device = None if self.offload.enabled else self.device  # the host step takes numbers
+        return [_hyper(g, self.cls, device) for g in self.optimizer.param_groups]
+
+    def before_forward(self) -> None:
+        """Makes the current hyper-parameters (and GradScaler's scale) the ones the next
+        in-backward steps use, and adopts optimizer state code replaced since the last one."""
+        self.loading = False  # a load_state_dict that raised changed nothing
+        if self.kind:
+            self.reducer.set_optimizer_groups(self._hypers())
+        if self.scaler is not None:
+            scaler = self.scaler
+            if scaler._scale is None:  # what scaler.scale(loss) would do, a step earlier
+                scaler._lazy_init_scale_growth_tracker(self.device)
+            scale = scaler._scale
+            if scale.device != self.device:
+                fail(f"grad_scaler's scale is on {scale.device}, the parameters on {self.device}")
+            self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
+            self.reducer.set_grad_scaler(scale, self.found_inf)
+        self.optimizer._opt_called = True  # LR schedulers: the optimizer does step
+        if self.kind:
+            self.view.adopt(self.reducer)
+        self.sync_state()
+        if self.kind:
+            self.view.mark()
+
+    def sync_state(self) -> None:
+        """Points ``optimizer.state`` at the fused state (after it was created or moved)."""
+        reducer = self.reducer
+        if reducer is None or not self.kind or self.loading:
+            return
+        self.view.sync(reducer)
+
+    def load_state(self) -> None:
+        """Copies what ``optimizer.state`` holds for fused parameters into the fused state."""
+        self.loading = False
+        reducer = self.reducer
+        if reducer is None or not self.kind:
+            return
+        reducer.set_optimizer_groups(self._hypers())  # the loaded groups (momentum on or off)
+        self.view.load_all(reducer)
+
+    def gathered_state(self) -> dict[nn.Parameter, dict[str, Any]]:
+        """shard_optimizer_state: every parameter's state in torch's format, gathered from
+        every rank's shard (a collective: every rank calls it and gets the whole state)."""
+        entries = self.reducer.gathered_optimizer_state()
+        return {p: dict(e) for p, e in zip(self.params, entries, strict=True) if e}
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (fused buffers and fallback state alike; this rank's
+        shard of it with shard_optimizer_state)."""
+        if self.sharded:
+            return self.reducer.memory_stats().optimizer_state_bytes
+        self.sync_state()
+        seen: dict[tuple[str, int], int] = {}
+        for entry in self.optimizer.__dict__["state"].values():
+            for key, value in entry.items():
+                if key == "master_weight":  # counted as master weights, not state
+                    continue
+                if isinstance(value, Tensor) and value.numel() > 0:
+                    storage = value.untyped_storage()
+                    seen[(str(value.device), storage.data_ptr())] = storage.nbytes()
+        return sum(seen.values())
