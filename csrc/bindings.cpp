@@ -1,6 +1,7 @@
 // The Python module leanddp._C: the only file that knows pybind11. Importing it registers the
 // custom ops (torch.ops.leanddp.*) through the static registrations of the other files, and
 // binds the Reducer (whose methods release the GIL) and the Python side of communication hooks.
+#include "fused_optim.h"
 #include "ops/cpu_kernels.h"
 #include "reducer.h"
 #include "shard.h"
@@ -154,11 +155,7 @@ struct OptimizerSetup {
 // The Reducer's OptimizerSpec for `setup` (with the GIL: it wraps Python objects).
 leanddp::OptimizerSpec to_spec(const leanddp::Reducer& reducer, const OptimizerSetup& setup) {
   leanddp::OptimizerSpec spec;
-  if (!setup.kind.empty()) {
-    TORCH_CHECK(setup.kind == "sgd" || setup.kind == "adam", "set_optimizer: unknown kind ",
-                setup.kind);
-    spec.kind = setup.kind == "sgd" ? leanddp::OptimKind::kSgd : leanddp::OptimKind::kAdam;
-  }
+  if (!setup.kind.empty()) spec.kind = leanddp::optim_kind(setup.kind);
   spec.group_of = setup.group_of;
   spec.groups = to_hypers(setup.groups);
   spec.step_device = c10::Device(setup.step_device);
@@ -294,31 +291,6 @@ void bind_reducer(py::module_& m) {
             self.set_optimizer(std::move(spec));
           },
           py::arg("setup"))
-      .def(
-          "set_optimizer",
-          [](Reducer& self, const std::string& kind, const std::vector<at::Tensor>& params,
-             std::vector<int64_t> group_of, std::vector<py::dict> groups,
-             const std::string& step_device, py::object fallback, bool offload, int offload_threads,
-             std::optional<double> max_grad_norm) {
-            // The positional form: offload_to_cpu and its settings are the Reducer's options,
-            // which these must repeat.
-            const leanddp::ReducerOptions& options = self.options();
-            TORCH_CHECK(offload == options.offload_to_cpu &&
-                            (!offload || (offload_threads == options.offload_threads &&
-                                          max_grad_norm == options.max_grad_norm)),
-                        "Reducer.set_optimizer: offload_to_cpu, offload_threads and "
-                        "max_grad_norm are the Reducer's options (ReducerOptions)");
-            TORCH_CHECK(params.size() == group_of.size(),
-                        "Reducer.set_optimizer: one group per parameter");
-            OptimizerSetup setup{kind, std::move(group_of), std::move(groups), step_device,
-                                 std::move(fallback)};
-            leanddp::OptimizerSpec spec = to_spec(self, setup);
-            py::gil_scoped_release no_gil;
-            self.set_optimizer(std::move(spec));
-          },
-          py::arg("kind"), py::arg("params"), py::arg("group_of"), py::arg("groups"),
-          py::arg("step_device"), py::arg("fallback"), py::arg("offload") = false,
-          py::arg("offload_threads") = 1, py::arg("max_grad_norm") = py::none())
       .def("wait_for_steps", &Reducer::wait_for_steps, py::arg("host_too") = false,
            py::call_guard<py::gil_scoped_release>())
       .def("close",
@@ -478,6 +450,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("world"), py::arg("rank"),
       "shard_optimizer_state's cut of a bucket (csrc/shard.h): padded and shard sizes, this "
       "rank's first element, and its pieces as (slot, slot_offset, shard_offset, numel).");
+  py::class_<leanddp::StateSpec>(
+      m, "StateSpec",
+      "What the fused kernels keep for one parameter, and whether they step it (fused_optim.h).")
+      .def_readonly("stepped", &leanddp::StateSpec::stepped)
+      .def_readonly("unfit", &leanddp::StateSpec::unfit)
+      .def_readonly("needs", &leanddp::StateSpec::needs)
+      .def_readonly("counted", &leanddp::StateSpec::counted)
+      .def_readonly("buffers", &leanddp::StateSpec::buffers)
+      .def_readonly("master", &leanddp::StateSpec::master)
+      .def_readonly("dtype", &leanddp::StateSpec::dtype)
+      .def_readonly("device", &leanddp::StateSpec::device)
+      .def_property_readonly("keys", &leanddp::StateSpec::keys);
+  m.def(
+      "state_spec",
+      [](const std::string& kind, const at::Tensor& param, bool on_host, bool momentum) {
+        return leanddp::state_spec(leanddp::optim_kind(kind), param, on_host, momentum);
+      },
+      py::arg("kind"), py::arg("param"), py::arg("on_host"), py::arg("momentum"),
+      "The fused optimizer's rule for `param` stepped by `kind` (\"sgd\", \"adam\") on the host "
+      "(offload_to_cpu) or its device, `momentum` its group's momentum is nonzero: whether the "
+      "kernels step it, and its state's keys, dtype and device (csrc/fused_optim.h).");
   m.def(
       "_reduce_to_shard",
       [](const py::object& process_group, at::Tensor flat, const std::vector<int64_t>& offsets,

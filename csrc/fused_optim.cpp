@@ -48,7 +48,52 @@ void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList moment
           opt(t.found_inf));
 }
 
+// torch's state buffers of a kind (StateSpec::buffers), as constants: a step counts them.
+const std::vector<std::string>& buffer_names(OptimKind kind, bool momentum) {
+  static const std::vector<std::string> adam{"exp_avg", "exp_avg_sq"};
+  static const std::vector<std::string> sgd{"momentum_buffer"};
+  static const std::vector<std::string> none;
+  if (kind == OptimKind::kAdam) return adam;
+  return momentum ? sgd : none;
+}
+
 }  // namespace
+
+OptimKind optim_kind(const std::string& name) {
+  if (name == "sgd") return OptimKind::kSgd;
+  TORCH_CHECK(name == "adam", "leanddp: unknown fused optimizer kind '", name, "' (sgd, adam)");
+  return OptimKind::kAdam;
+}
+
+std::vector<std::string> StateSpec::keys() const {
+  std::vector<std::string> out;
+  if (counted) out.emplace_back("step");
+  out.insert(out.end(), buffers.begin(), buffers.end());
+  if (master) out.emplace_back("master_weight");
+  return out;
+}
+
+StateSpec state_spec(OptimKind kind, const at::Tensor& param, bool on_host, bool momentum) {
+  StateSpec spec;
+  const auto dtype = param.scalar_type();
+  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) {
+    spec.unfit = "dtype";
+    spec.needs = "float32, bfloat16 and float16";
+  } else if (on_host ? !param.is_contiguous() : !param.is_non_overlapping_and_dense()) {
+    // The device kernels step the parameter, its bucket view and its state (state_view) with
+    // its strides, element by element in memory order; the host copies through flat buffers.
+    spec.unfit = "layout";
+    spec.needs = on_host ? "contiguous" : "dense";
+  }
+  spec.stepped = spec.unfit.empty();
+  spec.dtype = on_host ? at::kFloat : dtype;
+  spec.device = on_host ? c10::Device(c10::kCPU) : param.device();
+  if (!spec.stepped) return spec;
+  spec.counted = kind == OptimKind::kAdam;
+  spec.buffers = buffer_names(kind, momentum);
+  spec.master = on_host && dtype != at::kFloat;
+  return spec;
+}
 
 double clip_coefficient(double total_norm, double max_norm) {
   const float denom = static_cast<float>(total_norm) + 1e-6f;
@@ -73,6 +118,9 @@ FusedOptimizer::FusedOptimizer(OptimKind kind, std::vector<at::Tensor> params,
   // Its dtype is chosen per bucket (state_dtype).
   state_options_ = at::TensorOptions().device(on_host ? c10::Device(at::kCPU) : device);
   on_host_ = on_host;
+  for (const at::Tensor& param : params_) {
+    stepped_.push_back(state_spec(kind_, param, on_host_, /*momentum=*/false).stepped);
+  }
   set_groups(std::move(groups));
 }
 
@@ -85,26 +133,16 @@ void FusedOptimizer::set_groups(std::vector<OptimHyper> groups) {
 }
 
 size_t FusedOptimizer::num_buffers(int64_t group) const {
-  if (kind_ == OptimKind::kAdam) return 2;
-  return groups_[static_cast<size_t>(group)].momentum != 0.0 ? 1 : 0;
-}
-
-bool FusedOptimizer::can_step(size_t p) const {
-  const auto dtype = params_[p].scalar_type();
-  const bool stepped = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
-  // On the device, any dense layout: the parameter, its bucket view and its state (state_view)
-  // share its strides, so the kernels step them element by element in memory order. The host
-  // step (offload_to_cpu) copies through contiguous flat host buffers.
-  return stepped &&
-         (on_host_ ? params_[p].is_contiguous() : params_[p].is_non_overlapping_and_dense());
+  return buffer_names(kind_, groups_[static_cast<size_t>(group)].momentum != 0.0).size();
 }
 
 bool FusedOptimizer::counts_beside(size_t p) const { return step_device_ == params_[p].device(); }
 
 at::ScalarType FusedOptimizer::state_dtype(const Bucket& bucket) const {
-  // The host steps float32 masters; on the device a bucket holds parameters of one dtype.
-  if (on_host_ || bucket.params.empty()) return at::kFloat;
-  return params_[static_cast<size_t>(bucket.params[0])].scalar_type();
+  // A bucket holds parameters of one dtype.
+  if (bucket.params.empty()) return at::kFloat;
+  const at::Tensor& param = params_[static_cast<size_t>(bucket.params[0])];
+  return state_spec(kind_, param, on_host_, /*momentum=*/false).dtype;
 }
 
 void FusedOptimizer::ensure_state(size_t index, const Bucket& bucket, size_t buffers) {
@@ -323,9 +361,7 @@ std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state(size_t p, 
 }
 
 std::vector<std::string> FusedOptimizer::buffer_keys(size_t p) const {
-  if (kind_ == OptimKind::kAdam) return {"exp_avg", "exp_avg_sq"};
-  if (num_buffers(group_of_[p]) == 1) return {"momentum_buffer"};
-  return {};
+  return buffer_names(kind_, groups_[static_cast<size_t>(group_of_[p])].momentum != 0.0);
 }
 
 void FusedOptimizer::set_steps(size_t p, int64_t step) {
@@ -342,12 +378,12 @@ void FusedOptimizer::set_steps(size_t p, int64_t step) {
 std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state_from(
     size_t p, const std::vector<at::Tensor>& full, int64_t offset) const {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  const size_t nbuf = num_buffers(group_of_[p]);
-  if (steps_[p] == 0 || full.size() < nbuf) return out;
-  if (kind_ == OptimKind::kAdam) out.emplace_back("step", step_tensors_[p]);
-  const std::vector<std::string> keys = buffer_keys(p);
-  for (size_t k = 0; k < keys.size(); ++k) {
-    out.emplace_back(keys[k], slice_like(full[k], offset, params_[p]));
+  const bool momentum = groups_[static_cast<size_t>(group_of_[p])].momentum != 0.0;
+  const StateSpec rule = state_spec(kind_, params_[p], on_host_, momentum);
+  if (steps_[p] == 0 || full.size() < rule.buffers.size()) return out;
+  if (rule.counted) out.emplace_back("step", step_tensors_[p]);
+  for (size_t k = 0; k < rule.buffers.size(); ++k) {
+    out.emplace_back(rule.buffers[k], slice_like(full[k], offset, params_[p]));
   }
   return out;
 }

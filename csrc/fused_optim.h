@@ -38,6 +38,43 @@ namespace leanddp {
 
 enum class OptimKind { kSgd, kAdam };
 
+// The kind named `name` ("sgd" or "adam", as leanddp.optim names them); throws on another name.
+OptimKind optim_kind(const std::string& name);
+
+// The one rule for one parameter's fused state: whether the kernels step it and, if they do,
+// what state they keep for it. FusedOptimizer follows it (can_step, buffer_keys, state_dtype)
+// and Python asks it (leanddp._C.state_spec: the checks before wrapping, optimizer.state's
+// checks and loads, sharded checkpoints), so a new kind or state buffer changes this only.
+struct StateSpec {
+  // Whether the kernels can step the parameter: float32, bfloat16 or float16 and, on the device,
+  // dense in any layout (contiguous, channels_last, transposed: its state is laid out like it),
+  // or, on the host (offload_to_cpu, float32 masters in flat host buffers), contiguous. Fixed
+  // for a parameter, so its state never moves between the kernels and the fallback.
+  bool stepped = false;
+  // When not stepped, what fails: "dtype" or "layout" (else empty); and what the kernels need
+  // instead, in words: "float32, bfloat16 and float16", or "contiguous" / "dense".
+  std::string unfit;
+  std::string needs;
+  // Whether the state holds torch's `step` entry (Adam: a float32 scalar tensor).
+  bool counted = false;
+  // torch's names of the state buffers, in the order the kernels take them (Adam: exp_avg,
+  // exp_avg_sq; SGD with momentum: momentum_buffer; else none). Empty when not stepped.
+  std::vector<std::string> buffers;
+  // offload_to_cpu with a bfloat16/float16 parameter: the float32 `master_weight` on the host.
+  bool master = false;
+  // Where the buffers (and the master weight) live: float32 on the host with offload_to_cpu,
+  // else the parameter's dtype on its device (as torch's fused optimizers keep it).
+  at::ScalarType dtype = at::kFloat;
+  c10::Device device = c10::Device(c10::kCPU);
+  // torch's keys of the parameter's state entry, in FusedOptimizer::state()'s order (`step`,
+  // the buffers, `master_weight`).
+  std::vector<std::string> keys() const;
+};
+
+// The spec of `param` stepped by `kind`, on the host (`on_host`) or its device; `momentum`: its
+// group's momentum is nonzero (SGD keeps a buffer then).
+StateSpec state_spec(OptimKind kind, const at::Tensor& param, bool on_host, bool momentum);
+
 // The live hyper-parameters of one parameter group (torch's param_groups[i]).
 struct OptimHyper {
   double lr = 1e-3;
@@ -92,11 +129,8 @@ class FusedOptimizer {
 
   // Replaces the hyper-parameters (one per group), read by the next steps.
   void set_groups(std::vector<OptimHyper> groups);
-  // Whether the kernels can step parameter p: float32, bfloat16 or float16 and, on the device,
-  // dense in any layout (contiguous, channels_last, transposed; its state is laid out like it),
-  // or, on the host, where float32 masters are stepped, contiguous. Fixed for a parameter,
-  // whatever bucket it is in, so its state never moves between this and the fallback.
-  bool can_step(size_t p) const;
+  // Whether the kernels can step parameter p (StateSpec::stepped, fixed at construction).
+  bool can_step(size_t p) const { return stepped_[p] != 0; }
   // Whether Adam's step counts live on parameter p's device (so the kernels can read them).
   bool counts_beside(size_t p) const;
   // Steps the members of bucket `index` whose `mask[slot]` is set (all of which can_step):
@@ -134,8 +168,8 @@ class FusedOptimizer {
   // values of its state tensors in state()'s order (the step tensor excluded).
   void load_state(size_t p, size_t index, const Bucket& bucket, size_t slot, int64_t step,
                   const std::vector<at::Tensor>& values);
-  // torch's names of parameter p's state buffers, in buffer order (Adam: exp_avg, exp_avg_sq;
-  // SGD with momentum: momentum_buffer; else none).
+  // torch's names of parameter p's state buffers, in buffer order (StateSpec::buffers, with its
+  // group's live momentum).
   std::vector<std::string> buffer_keys(size_t p) const;
   // Updates parameter p has taken; set_steps() sets it (and torch's `step`) leaving the state
   // buffers as they are (a sharded checkpoint loaded them in place).
@@ -155,6 +189,7 @@ class FusedOptimizer {
 
   OptimKind kind_;
   std::vector<at::Tensor> params_;  // fixed
+  std::vector<char> stepped_;       // per parameter, fixed: StateSpec::stepped
   std::vector<int64_t> group_of_;   // fixed
   std::vector<OptimHyper> groups_;
   c10::Device step_device_;

@@ -39,8 +39,9 @@ def sharded_state_dict(ddp: Any) -> dict[str, Any]:
     placement = reducer.shard_placement()
     steps = reducer.optimizer_steps()
     local = {(p, key): view for p, key, view in reducer.local_optimizer_state()}
-    # Every rank must see every key: a rank without a piece of a parameter learns its keys from
-    # the optimizer's kind and the parameter's group, as the ranks holding pieces do.
+    # Every rank must see every key: a rank without a piece of a parameter learns its keys, and
+    # where they live, from the fused optimizer's rule (link.view.spec), as the ranks holding
+    # pieces do.
     link = ddp._in_backward
     state: dict[str, dict[str, Any]] = {}
     for p, name in enumerate(ddp._param_names):
@@ -48,16 +49,16 @@ def sharded_state_dict(ddp: Any) -> dict[str, Any]:
         if not pieces:  # no elements: no state
             continue
         entry: dict[str, Any] = {"step": torch.tensor(float(steps[p]))}
-        for key in _keys(link, p, ddp._params[p]):
-            device, dtype = _where(link, ddp._params[p])
+        spec = link.view.spec(p)
+        for key in (key for key in spec.keys if key != "step"):  # (the count is not sharded)
             shards = []
             metadata = []
             for rank, offset, numel in pieces:
-                where = f"rank:{ranks[rank]}/{device}"
+                where = f"rank:{ranks[rank]}/{spec.device}"
                 metadata.append(ShardMetadata([offset], [numel], where))
                 if ranks[rank] == dist.get_rank():
                     shards.append(Shard(local[(p, key)], metadata[-1]))
-            properties = TensorProperties(dtype=dtype)
+            properties = TensorProperties(dtype=spec.dtype)
             global_metadata = ShardedTensorMetadata(
                 metadata, torch.Size([ddp._params[p].numel()]), properties
             )
@@ -72,25 +73,6 @@ def sharded_state_dict(ddp: Any) -> dict[str, Any]:
         {k: v for k, v in g.items() if k != "params"} for g in ddp.optimizer.param_groups
     )
     return {"state": state, "param_groups": groups}
-
-
-def _keys(link: Any, p: int, param: torch.Tensor) -> list[str]:
-    """torch's names of parameter p's state buffers (leanddp's FusedOptimizer::buffer_keys)."""
-    group = link.optimizer.param_groups[link.group_of[p]]
-    if link.kind == "adam":
-        keys = ["exp_avg", "exp_avg_sq"]
-    else:
-        keys = ["momentum_buffer"] if group.get("momentum", 0) != 0 else []
-    if link.offload.enabled and param.dtype != torch.float32:
-        keys.append("master_weight")
-    return keys
-
-
-def _where(link: Any, param: torch.Tensor) -> tuple[str, torch.dtype]:
-    """The device and dtype leanddp keeps parameter ``param``'s state in."""
-    if link.offload.enabled:
-        return "cpu", torch.float32
-    return str(param.device), param.dtype
 
 
 def load_sharded_state_dict(ddp: Any, state_dict: dict[str, Any]) -> None:

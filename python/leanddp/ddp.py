@@ -154,12 +154,10 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 optimizer,
                 group_of,
                 [p for _, p in named],
-                config.offload_to_cpu,
-                config.offload_threads,
-                config.max_grad_norm,
-                grad_scaler,
-                [n for n, _ in named],
-                config.shard_optimizer_state,
+                offload=config.offload_to_cpu,
+                grad_scaler=grad_scaler,
+                names=[n for n, _ in named],
+                sharded=config.shard_optimizer_state,
             )
         if config.init_sync:
             verify_same_parameters(

@@ -28,7 +28,6 @@ from in_backward_models import (
 from test_in_backward_lowp import _assert_close, _loss, _pair, _tolerance
 
 import leanddp
-from leanddp import _C
 
 pytestmark = pytest.mark.leanddp_paths
 
@@ -38,21 +37,10 @@ SHARD = dict(shard_optimizer_state=True)
 
 
 def _cut_parameters(ddp: leanddp.DistributedDataParallel) -> int:
-    """How many parameter slots a shard boundary cuts (a piece on more than one rank)."""
-    world = dist.get_world_size(ddp.process_group)
-    params = ddp._params
-    cut = 0
-    for bucket in ddp.reducer.bucket_indices():
-        numels = [params[i].numel() for i in bucket]
-        offsets = list(itertools.accumulate([0, *numels[:-1]]))
-        align = 16 // params[bucket[0]].element_size()
-        owners: dict[int, int] = {}
-        for r in range(world):
-            layout = _C.shard_layout(offsets, numels, sum(numels), align, world, r)
-            for slot, _, _, _ in layout["pieces"]:
-                owners[slot] = owners.get(slot, 0) + 1
-        cut += sum(1 for n in owners.values() if n > 1)
-    return cut
+    """How many parameters a shard boundary cuts (with pieces on more than one rank), as the
+    Reducer cut them."""
+    placement = ddp.reducer.shard_placement()
+    return sum(1 for pieces in placement if len({rank for rank, _, _ in pieces}) > 1)
 
 
 def _unsharded_state_bytes(ddp: leanddp.DistributedDataParallel, kind: str) -> int:

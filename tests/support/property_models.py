@@ -206,8 +206,8 @@ def _forward_backward(ddp: nn.Module, batches: list, first_it: int) -> None:
 #: the largest update beyond 1e-6 of the value.) bfloat16/float16 parameters are stepped by
 #: the kernels in float32 math with one rounding to the dtype, where torch's (unfused)
 #: optimizers round after each operation: four units in the last place of the dtype. Other
-#: dtypes are stepped by a per-bucket instance of torch's optimizer class (leanddp/optim.py):
-#: bitwise equal.
+#: dtypes are stepped by a per-bucket instance of torch's optimizer class
+#: (leanddp/optim/_fallback.py): bitwise equal.
 STEP_RTOL = STEP_ATOL = 1e-6
 LOW_PRECISION_TOL = {torch.bfloat16: 4 * 2.0**-8, torch.float16: 4 * 2.0**-11}
 

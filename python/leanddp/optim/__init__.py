@@ -41,16 +41,13 @@ One module per concern:
 import torch._dynamo  # noqa: F401
 
 from ._checks import build_optimizer, check_fused, fused_kind
-from ._checks import is_dense as _is_dense
 from ._clipping import guard_clipping
-from ._link import InBackward, OffloadSettings
+from ._link import InBackward
 
 __all__ = [
     "InBackward",
-    "OffloadSettings",
     "build_optimizer",
     "check_fused",
     "fused_kind",
     "guard_clipping",
-    "_is_dense",
 ]

@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from .._extension import _C
 from ._facade import base_class, base_class_of
 
 if TYPE_CHECKING:
@@ -89,47 +90,31 @@ def check_fused(
 ) -> None:
     """``what`` (offload_to_cpu, shard_optimizer_state) steps every parameter with the fused
     kernels: raises a ValueError naming what they cannot step (before any state changes).
-    ``contiguous``: the parameters must be contiguous (else dense in some layout)."""
-    if not fused_kind(optimizer):
+    ``contiguous``: the host steps them (offload_to_cpu), which need contiguous parameters
+    (the device's kernels step any dense layout): the rule is ``leanddp._C.state_spec``'s."""
+    kind = fused_kind(optimizer)
+    if not kind:
         fail(
             f"{what} steps with leanddp's fused kernels, which cover torch.optim.SGD, Adam and "
             f"AdamW (without amsgrad or differentiable); got {type(optimizer).__name__}"
             + (" with amsgrad or differentiable set" if fused_kind(type(optimizer)) else "")
         )
     for name, p in trainable:
-        if p.dtype not in MASTER_DTYPES:
+        spec = _C.state_spec(kind, p, on_host=contiguous, momentum=False)
+        if spec.unfit == "dtype":
+            fail(f"{what} steps {spec.needs} parameters; parameter {name!r} is {p.dtype}")
+        if spec.unfit:
             fail(
-                f"{what} steps float32, bfloat16 and float16 parameters; parameter {name!r} is "
-                f"{p.dtype}"
+                f"{what} needs {spec.needs} parameters; parameter {name!r} has strides "
+                f"{p.stride()} (make it contiguous before wrapping)"
             )
-        if not (p.is_contiguous() if contiguous else is_dense(p)):
-            fail(
-                f"{what} needs {'contiguous' if contiguous else 'dense'} parameters; parameter "
-                f"{name!r} has strides {p.stride()} (make it contiguous before wrapping)"
-            )
-
-
-MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def is_dense(t: Tensor) -> bool:
-    """Whether ``t`` is non-overlapping and dense in some layout (c10's
-    ``is_non_overlapping_and_dense``, which is what the C++ side's ``can_step`` asks): its
-    elements, ordered by stride, fill exactly ``numel`` consecutive slots."""
-    expected = 1
-    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz >= 2)
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def check_scaler(scaler: Any, link: InBackward, names: Sequence[str]) -> None:
     """Raises a clear error where the in-backward steps cannot apply ``scaler``."""
     if not scaler.is_enabled():
         return
-    if link.offload.enabled:
+    if link.offload:
         fail(
             "grad_scaler is not supported with offload_to_cpu (the host steps would have to "
             "read the scale and found_inf from the device); use bfloat16, which needs no scaler"
@@ -142,8 +127,9 @@ def check_scaler(scaler: Any, link: InBackward, names: Sequence[str]) -> None:
     for i, fused in enumerate(link.fused):
         if not fused:
             p = link.params[i]
+            needs = link.view.spec(i).needs
             fail(
                 f"grad_scaler: parameter {names[i]!r} ({p.dtype}, strides {p.stride()}) is not "
-                "stepped by the fused kernels (float32/bfloat16/float16, contiguous), and a "
-                "per-bucket Python step cannot skip an overflowing step without synchronizing"
+                f"stepped by the fused kernels ({needs} parameters), and a per-bucket Python "
+                "step cannot skip an overflowing step without synchronizing"
             )

@@ -10,26 +10,17 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ._checks import MASTER_DTYPES, check_scaler, fail, fused_kind, is_dense
+from .._extension import _C
+from ._checks import check_scaler, fail, fused_kind
 from ._clipping import guard_clipping
 from ._facade import base_class, make_facade
 from ._fallback import FallbackStepper
 from ._state import StateView
-
-
-class OffloadSettings(NamedTuple):
-    """offload_to_cpu's settings, in the order the Reducer's ``set_optimizer`` takes them."""
-
-    enabled: bool = False
-    #: the host worker's OpenMP threads
-    threads: int = 1
-    #: exact global-norm clipping of the host steps (None: none)
-    max_grad_norm: float | None = None
 
 
 def _lr(lr: Any, device: torch.device | None) -> float | Tensor:
@@ -84,8 +75,6 @@ class InBackward:
         group_of: list[int],
         params: list[nn.Parameter],
         offload: bool = False,
-        offload_threads: int = 1,
-        max_grad_norm: float | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         names: Sequence[str] | None = None,
         sharded: bool = False,
@@ -96,29 +85,30 @@ class InBackward:
         self.kind = fused_kind(optimizer)
         self.params = params
         self.group_of = group_of
-        self.offload = OffloadSettings(offload, offload_threads, max_grad_norm)
-        layout_ok = Tensor.is_contiguous if offload else is_dense
-        self.fused = [bool(self.kind) and p.dtype in MASTER_DTYPES and layout_ok(p) for p in params]
+        #: offload_to_cpu (its threads and clipping are the Reducer's options)
+        self.offload = offload
+        names = names or [str(i) for i in range(len(params))]
         self.loading = False  # inside optimizer.load_state_dict(): the state is the loaded one
+        self.view = StateView(
+            optimizer,
+            self.kind,
+            params,
+            names,
+            group_of,
+            offload,
+            sharded,
+        )
+        # per parameter: whether the fused kernels step it (else the fallback does)
+        self.fused = self.view.fused
         self.device = params[0].device
         if grad_scaler is not None:
-            check_scaler(grad_scaler, self, names or [str(i) for i in range(len(params))])
+            check_scaler(grad_scaler, self, names)
         self.scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
         self.found_inf: Tensor | None = None  # this iteration's (GradScaler)
         on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
         # GradScaler: Adam's step counts live on the device (a skipped step is taken back there).
         on_device = on_device or self.scaler is not None
         self.step_device = str(params[0].device) if on_device and not offload else "cpu"
-        self.view = StateView(
-            optimizer,
-            self.kind,
-            params,
-            names or [str(i) for i in range(len(params))],
-            self.fused,
-            group_of,
-            offload,
-            sharded,
-        )
         self.sharded = sharded
         self.fallback = FallbackStepper(optimizer, self.cls, params, group_of)
         make_facade(optimizer, self)
@@ -132,15 +122,13 @@ class InBackward:
     def attach(self, reducer: Any) -> None:
         """Hands the optimizer to a (new) Reducer; state already in ``optimizer.state`` moves
         into it."""
-        reducer.set_optimizer(
-            self.kind,
-            self.params,
-            self.group_of,
-            self._hypers(),
-            self.step_device,
-            self.fallback,
-            *self.offload,
-        )
+        setup = _C.OptimizerSetup()
+        setup.kind = self.kind
+        setup.group_of = list(self.group_of)
+        setup.groups = self._hypers()
+        setup.step_device = self.step_device
+        setup.fallback = self.fallback
+        reducer.set_optimizer(setup)
         self.view.generation = -1
         if self.optimizer.__dict__["state"]:
             self.load_state()
@@ -151,10 +139,10 @@ class InBackward:
         the current stream is ordered after the side stream's steps."""
         reducer = self.reducer
         if reducer is not None:
-            reducer.wait_for_steps(host_too=self.offload.enabled)
+            reducer.wait_for_steps(host_too=self.offload)
 
     def _hypers(self) -> list[dict[str, Any]]:
-        device = None if self.offload.enabled else self.device  # the host step takes numbers
+        device = None if self.offload else self.device  # the host step takes numbers
         return [_hyper(g, self.cls, device) for g in self.optimizer.param_groups]
 
     def before_forward(self) -> None:

@@ -11,6 +11,9 @@ write counts and no memory is doubled. Detection compares, once per forward, the
 each entry and its tensors with those handed out (no tensor is read, and while the state holds
 exactly what it held at the last forward, one pass over it in C); a value that cannot be
 adopted raises, naming the parameter and the key, before anything is copied.
+
+What state a parameter has (its keys, their dtype and device, whether the kernels step it at
+all) is the fused optimizer's rule, asked from C++ (``leanddp._C.state_spec``, :meth:`spec`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-_ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
+from .._extension import _C
 
 
 class StateView:
@@ -39,7 +42,6 @@ class StateView:
         kind: str,
         params: Sequence[nn.Parameter],
         names: Sequence[str],
-        fused: Sequence[bool],
         group_of: Sequence[int],
         offload: bool,
         sharded: bool = False,
@@ -48,9 +50,10 @@ class StateView:
         self.kind = kind
         self.params = params
         self.names = names
-        self.fused = fused
         self.group_of = group_of
         self.offload = offload
+        # per parameter: whether the fused kernels step it (else the fallback does); fixed
+        self.fused = [bool(kind) and self.spec(i).stepped for i in range(len(params))]
         # shard_optimizer_state: no rank holds a parameter's whole state, so optimizer.state
         # holds none (state_dict() gathers it); what code writes there is adopted, then dropped.
         self.sharded = sharded
@@ -59,6 +62,13 @@ class StateView:
         # optimizer.state's entries and their values, in order, when it was last known to hold
         # no replaced entry (mark()): while it still holds exactly these, nothing was replaced.
         self.marked: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
+
+    def spec(self, i: int) -> Any:
+        """Parameter ``i``'s state as the fused optimizer keeps it (``leanddp._C.StateSpec``:
+        whether the kernels step it; its keys, dtype and device), with its group's momentum as
+        it is now (SGD keeps a buffer only with momentum). Needs a fused kind."""
+        momentum = self.optimizer.param_groups[self.group_of[i]].get("momentum", 0) != 0
+        return _C.state_spec(self.kind, self.params[i], on_host=self.offload, momentum=momentum)
 
     @property
     def state(self) -> dict[Any, dict[str, Any]]:
@@ -168,12 +178,14 @@ class StateView:
         """Raises a ValueError naming the parameter and the key where ``entry`` cannot become
         parameter ``i``'s fused state."""
         p = self.params[i]
+        spec = self.spec(i)
         tensors = []
-        if self.kind == "adam":
-            if any(key in entry for key in _ADAM_KEYS):
-                for key in _ADAM_KEYS:
+        if spec.counted:  # a state with a step count: all its keys, or none (starting over)
+            counted = ["step", *spec.buffers]
+            if any(key in entry for key in counted):
+                for key in counted:
                     if key not in entry:
-                        self._fail(i, key, f"missing (an Adam state holds {', '.join(_ADAM_KEYS)})")
+                        self._fail(i, key, f"missing (this state holds {', '.join(counted)})")
                 step = entry["step"]
                 try:
                     count = float(step)
@@ -181,10 +193,10 @@ class StateView:
                     self._fail(i, "step", f"expected a number or one-element tensor, got {step!r}")
                 if count < 0 or count != int(count):
                     self._fail(i, "step", f"expected a non-negative whole number, got {count}")
-                tensors = ["exp_avg", "exp_avg_sq"]
-        elif self._momentum(i) != 0 and entry.get("momentum_buffer") is not None:
-            tensors = ["momentum_buffer"]
-        if self.offload and "master_weight" in entry:
+                tensors = list(spec.buffers)
+        elif self._holds_buffers(spec, entry):
+            tensors = list(spec.buffers)
+        if spec.master and "master_weight" in entry:
             tensors.append("master_weight")
         for key in tensors:
             value = entry[key]
@@ -199,26 +211,30 @@ class StateView:
     def load(self, reducer: Any, i: int, entry: dict[str, Any]) -> None:
         """Copies ``entry`` (checked) into parameter ``i``'s fused state; an empty entry resets it,
         as a plain torch optimizer starts over from an empty ``state[p]``."""
-        if "master_weight" in entry and self.offload:
+        spec = self.spec(i)
+        if spec.master and "master_weight" in entry:
             reducer.load_master_weight(i, entry["master_weight"])
-        if self.kind == "adam":
-            if any(key in entry for key in _ADAM_KEYS):
-                values = [entry["exp_avg"], entry["exp_avg_sq"]]
+        if spec.counted:
+            if any(key in entry for key in ("step", *spec.buffers)):
+                values = [entry[key] for key in spec.buffers]
                 reducer.load_optimizer_state(i, int(float(entry["step"])), values)
                 return
-            # Starting over: the first step reads the moments as zeros, so the values held so
-            # far must not survive in leanddp's buffers (a count of 0 alone keeps them).
+            # Starting over: the first step reads the buffers as zeros (Adam's moments), so the
+            # values held so far must not survive in leanddp's buffers (a count of 0 alone
+            # keeps them).
             held = dict(reducer.optimizer_state(i))
-            if "exp_avg" in held:
-                zeros = [torch.zeros_like(held["exp_avg"]), torch.zeros_like(held["exp_avg_sq"])]
+            if spec.buffers and spec.buffers[0] in held:
+                zeros = [torch.zeros_like(held[key]) for key in spec.buffers]
                 reducer.load_optimizer_state(i, 1, zeros)
             reducer.load_optimizer_state(i, 0, [])
             return
-        buf = entry.get("momentum_buffer")
-        if buf is not None and self._momentum(i) != 0:
-            reducer.load_optimizer_state(i, 1, [buf])
+        # Without a count (SGD's momentum buffer), the first step overwrites the buffers.
+        if self._holds_buffers(spec, entry):
+            reducer.load_optimizer_state(i, 1, [entry[key] for key in spec.buffers])
         else:
             reducer.load_optimizer_state(i, 0, [])
 
-    def _momentum(self, i: int) -> float:
-        return self.optimizer.param_groups[self.group_of[i]].get("momentum", 0)
+    @staticmethod
+    def _holds_buffers(spec: Any, entry: dict[str, Any]) -> bool:
+        """Whether ``entry`` holds every state buffer of ``spec`` (and ``spec`` has some)."""
+        return bool(spec.buffers) and all(entry.get(key) is not None for key in spec.buffers)
