@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,7 +14,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 from torch.nn.parallel.distributed import _find_tensors
 
-from . import _comm, _waits, optim
+from . import _comm, _lifetime, _waits, optim
 from ._collectives import broadcast_from_rank0, verify_same_parameters
 from ._config import DDPConfig, check_arguments, check_trainable_unchanged
 from ._extension import _C
@@ -242,11 +241,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.process_group,
             self._config.reducer_options(self._param_names),
         )
-        # When the wrapper is collected or, at the latest, at interpreter exit (weakref.finalize
-        # is an atexit hook too): the Reducer stops its offload worker and lets go of the process
-        # group, its in-flight works and its Python hook and stepper, while every thread can
-        # still take the GIL, so none of them is torn down during interpreter finalization.
-        weakref.finalize(self, self.reducer.close)
+        _lifetime.close_at_end(self, self.reducer)
         self.logger.attach(self.reducer, self._params)
         if self._in_backward is not None:
             self._in_backward.attach(self.reducer)

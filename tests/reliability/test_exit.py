@@ -65,6 +65,8 @@ class Witness:
 def report():
     # Runs at exit after the wrapper's own exit-time close (finalizers run newest first).
     print("closed", ddp.reducer.closed(), flush=True)
+    dropped = ddp.process_group is None and ddp._config.process_group is None
+    print("group dropped", dropped and not ddp._comm_hooks, flush=True)
     print("weight", torch.isfinite(ddp.module.weight).all().item(), flush=True)
     try:
         ddp(torch.randn(3, 4)).sum().backward()
@@ -94,6 +96,7 @@ def test_alive_at_exit_is_closed_before_finalization(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "closed True" in lines and "weight True" in lines, done.stdout
+    assert "group dropped True" in lines, done.stdout  # the wrapper's own references too
     raised = [line for line in lines if line.startswith("raised")]
     assert raised and "after the wrapper was closed" in raised[0], done.stdout
 
