@@ -1,9 +1,15 @@
-"""The end of a wrapper's life: what its Reducer and the wrapper let go of, and when."""
+"""The end of a wrapper's life (what its Reducer and the wrapper let go of, and when) and of a
+finished process (``leave``)."""
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import os
+import sys
+import threading
 import weakref
-from typing import Any
+from typing import Any, NoReturn
 
 
 def close_at_end(ddp: Any, reducer: Any) -> None:
@@ -25,3 +31,21 @@ def _close(reducer: Any, wrapper: weakref.ref) -> None:
         ddp.process_group = None
         ddp._config = ddp._config.without_group()
         ddp._comm_hooks.clear()  # a hook's state may be the group
+
+
+def leave() -> NoReturn:
+    """Ends this process with exit code 0 as a normal exit would up to its exit handlers (waits
+    for non-daemon threads, runs ``atexit`` and so ``weakref.finalize`` handlers, flushes), but
+    without finalizing the interpreter or running C/C++ exit handlers and static destructors,
+    where torch's gloo worker can abort a finished process (docs/troubleshooting.md,
+    "terminate called without an active exception"). For a process whose work is done and whose
+    process groups are torn down (the test harness's ranks, the bench's workers). An exception in
+    an exit handler is printed, as at a normal exit; an abort in one still kills the process."""
+    for thread in threading.enumerate():  # as a normal exit, wait for non-daemon threads first
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    ctypes.CDLL(None).fflush(None)  # C stdio buffers (a C++ library's printf)
+    os._exit(0)

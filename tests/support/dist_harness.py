@@ -18,20 +18,18 @@ fails the test.
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import datetime
 import gc
 import os
 import socket
-import sys
-import threading
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from leanddp._lifetime import leave
 
 #: Collectives fail instead of hanging after this long.
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -64,22 +62,6 @@ def init_rank(
         world_size=world_size,
         timeout=timeout,
     )
-
-
-def leave() -> NoReturn:
-    """Ends this process with exit code 0 as a normal exit would up to its exit handlers (waits
-    for non-daemon threads, runs ``atexit`` and so ``weakref.finalize`` handlers, flushes), but
-    without finalizing the interpreter or running C/C++ exit handlers and static destructors.
-    For a process whose work is done and whose process groups are torn down. An exception in
-    an exit handler is printed, as at a normal exit; an abort in one still kills the process."""
-    for thread in threading.enumerate():  # as a normal exit, wait for non-daemon threads first
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    ctypes.CDLL(None).fflush(None)  # C stdio buffers (a C++ library's printf)
-    os._exit(0)
 
 
 def _entry(

@@ -11,9 +11,7 @@ in the same processes. Rank 0 writes the result as JSON to ``--result``.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
-import ctypes
 import functools
 import gc
 import json
@@ -21,16 +19,16 @@ import os
 import resource
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
-from typing import NamedTuple, NoReturn
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import leanddp
+from leanddp._lifetime import leave
 from leanddp.bench._model import SIZES, TinyGPT, batches, loss_of
 
 
@@ -302,23 +300,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--result", required=True)
     return p.parse_args(argv)
-
-
-def leave() -> NoReturn:
-    """Ends a rank whose result is written and whose process group is torn down, with code 0,
-    as a normal exit would up to its exit handlers (non-daemon threads joined, atexit and
-    weakref.finalize run, streams flushed), but without finalizing the interpreter, where
-    torch's gloo worker can still abort a finished process (docs/troubleshooting.md,
-    "terminate called without an active exception"). An exception before this point still
-    fails the rank."""
-    for thread in threading.enumerate():  # as a normal exit, wait for non-daemon threads first
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    ctypes.CDLL(None).fflush(None)  # C stdio buffers
-    os._exit(0)
 
 
 if __name__ == "__main__":
