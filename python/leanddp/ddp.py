@@ -255,37 +255,47 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Runs the module; arms the Reducer unless inside :meth:`no_sync` or without grad."""
         with torch.autograd.profiler.record_function("leanddp.DistributedDataParallel.forward"):
-            if self._join_config.enable:  # inside an enabled Join context: "not joined yet"
-                Join.notify_join_context(self)
-            if self._in_backward is not None:
-                self.reducer.wait_for_steps()  # last step's weights are in place
             grad_enabled = torch.is_grad_enabled()
-            if grad_enabled:
-                try:
-                    self._check_parameters_unchanged()
-                    if self.require_backward_grad_sync:
-                        self.logger.before_forward()
-                    self._warn_replaced_grads(self.reducer.prepare_for_forward())
-                    self.reducer.rebuild_buckets()
-                except Exception as e:
-                    self.logger.set_error_and_log(f"{type(e)}: {e}")
-                    raise
-                if self._in_backward is not None:
-                    self._in_backward.before_forward()
-            if self.will_sync_module_buffers():
-                self._sync_buffers()
+            self._before_module(grad_enabled)
             if self.device_ids:
                 inputs, kwargs = _move_to(inputs, kwargs, self.device)
             output = self.module(*inputs, **kwargs)
-            if grad_enabled and self.require_backward_grad_sync:
-                self.require_forward_param_sync = True
-                track = self.find_unused_parameters and not self.static_graph
-                self.reducer.prepare_for_backward(list(_find_tensors(output)) if track else [])
-                if track:
-                    self.logger.after_search()
-            else:
-                self.require_forward_param_sync = False
+            self._after_module(grad_enabled, output)
             return output
+
+    # The wrapper's bookkeeping around the module's forward: not traced by torch.compile (it
+    # calls into the C++ Reducer and handles errors), so that the module's forward between is.
+    @torch.compiler.disable
+    def _before_module(self, grad_enabled: bool) -> None:
+        if self._join_config.enable:  # inside an enabled Join context: "not joined yet"
+            Join.notify_join_context(self)
+        if self._in_backward is not None:
+            self.reducer.wait_for_steps()  # last step's weights are in place
+        if grad_enabled:
+            try:
+                self._check_parameters_unchanged()
+                if self.require_backward_grad_sync:
+                    self.logger.before_forward()
+                self._warn_replaced_grads(self.reducer.prepare_for_forward())
+                self.reducer.rebuild_buckets()
+            except Exception as e:
+                self.logger.set_error_and_log(f"{type(e)}: {e}")
+                raise
+            if self._in_backward is not None:
+                self._in_backward.before_forward()
+        if self.will_sync_module_buffers():
+            self._sync_buffers()
+
+    @torch.compiler.disable
+    def _after_module(self, grad_enabled: bool, output: Any) -> None:
+        if grad_enabled and self.require_backward_grad_sync:
+            self.require_forward_param_sync = True
+            track = self.find_unused_parameters and not self.static_graph
+            self.reducer.prepare_for_backward(list(_find_tensors(output)) if track else [])
+            if track:
+                self.logger.after_search()
+        else:
+            self.require_forward_param_sync = False
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts buffers from rank 0 (torch's rule: only after a
