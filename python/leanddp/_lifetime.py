@@ -41,9 +41,10 @@ def leave() -> NoReturn:
     "terminate called without an active exception"). For a process whose work is done and whose
     process groups are torn down (the test harness's ranks, the bench's workers). An exception in
     an exit handler is printed, as at a normal exit; an abort in one still kills the process."""
-    for thread in threading.enumerate():  # as a normal exit, wait for non-daemon threads first
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # As a normal exit: threading's own exit callbacks (they tell a concurrent.futures pool's
+    # workers to finish), then the wait for non-daemon threads; joining those threads without
+    # the callbacks first waits forever on an idle pool's workers (inductor's compile pool).
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

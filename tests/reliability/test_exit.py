@@ -11,6 +11,7 @@ abort or exception before that still fails the test, with its traceback."""
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import ctypes
 import functools
 import gc
@@ -18,18 +19,21 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import dist_harness
 from dist_harness import _free_port, run_ranks
 from torch import nn
 
 import leanddp
 
 ADAGRAD = functools.partial(torch.optim.Adagrad, lr=1e-2)  # stepped by the Python stepper
+IDLE_POOLS: list[concurrent.futures.ThreadPoolExecutor] = []
 
 
 def _dropped(rank: int, world_size: int) -> None:
@@ -127,6 +131,10 @@ def _finishes(rank: int, world_size: int, marks: str) -> None:
     atexit.register(lambda: open(f"{marks}.{rank}", "w").close())
     ddp = leanddp.DistributedDataParallel(nn.Linear(4, 2), optimizer_in_backward=ADAGRAD)
     ddp(torch.randn(3, 4)).sum().backward()
+    # an idle pool never shut down, as torch.compile's inductor leaves its compile pool: its
+    # non-daemon workers end only once threading's exit callbacks have told them to
+    IDLE_POOLS.append(concurrent.futures.ThreadPoolExecutor(2))  # alive until the exit
+    assert list(IDLE_POOLS[-1].map(abs, [-1, -2])) == [1, 2]
 
 
 def test_a_finished_rank_runs_its_exit_handlers_and_skips_finalization(tmp_path) -> None:
@@ -145,6 +153,16 @@ def _fails(rank: int, world_size: int, where: str) -> None:
         dist.destroy_process_group = os.abort  # the harness's teardown call
     if where == "exit handler":
         atexit.register(os.abort)
+
+
+def _hangs(rank: int, world_size: int) -> None:
+    threading.Thread(target=threading.Event().wait).start()  # a thread the exit waits for
+
+
+def test_a_rank_that_does_not_end_is_killed_at_the_deadline(monkeypatch) -> None:
+    monkeypatch.setattr(dist_harness, "RANK_DEADLINE_S", 3.0)
+    with pytest.raises(TimeoutError, match="_hangs: 1 rank"):
+        run_ranks(1, _hangs)
 
 
 @pytest.mark.parametrize("where", ["fn", "teardown", "exit handler"])

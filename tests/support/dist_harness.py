@@ -3,8 +3,10 @@
 ``run_ranks(world_size, fn, *args)`` spawns ``world_size`` processes; each initialises the
 default group (gloo, or ``backend=``) on a fresh TCP port and calls
 ``fn(rank, world_size, *args)``. ``fn`` must be a module-level function (it is pickled by
-name). A failure on any rank fails the test with that rank's traceback; a hang is cut off by
-the process group timeout.
+name). A failure on any rank fails the test with that rank's traceback. A hang in a collective
+is cut off by the process group timeout; any other hang (a thread the exit waits for, a lock)
+by ``RANK_DEADLINE_S``: the ranks print every thread's stack (faulthandler), are killed, and
+the test fails with ``TimeoutError``.
 
 A rank that finished ``fn`` and tore its group down leaves through ``leave()``: the exit
 handlers run (atexit, ``weakref.finalize``: where leanddp closes a wrapper still alive), then
@@ -19,9 +21,12 @@ fails the test.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import os
+import signal
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +38,9 @@ from leanddp._lifetime import leave
 
 #: Collectives fail instead of hanging after this long.
 TIMEOUT = datetime.timedelta(seconds=60)
+#: A run of ranks that has not ended after this long is dumped, killed and failed (seconds; the
+#: longest run in the suite takes about a minute).
+RANK_DEADLINE_S = float(os.environ.get("LEANDDP_TEST_RANK_DEADLINE_S", "600"))
 
 
 def _free_port() -> int:
@@ -74,6 +82,7 @@ def _entry(
     backend: str = "gloo",
     set_device: bool = True,
 ) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks's deadline
     init_rank(rank, world_size, port, TIMEOUT, backend, set_device)
     try:
         torch.manual_seed(seed + 1000 * rank)
@@ -97,9 +106,29 @@ def run_ranks(
 ) -> None:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks (see module doc)."""
     seed = int(torch.randint(0, 2**30, ()).item())
-    mp.spawn(
+    ranks = mp.start_processes(
         _entry,
         args=(world_size, _free_port(), seed, fn, args, backend, set_device),
         nprocs=world_size,
-        join=True,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + RANK_DEADLINE_S
+    while not ranks.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            _kill_hung(ranks.processes, fn)
+
+
+def _kill_hung(processes: list, fn: Callable) -> None:
+    """Prints the stacks of every thread of the ranks still running, kills them, and fails."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(2.0)  # faulthandler writes to the rank's stderr
+    for p in alive:
+        p.kill()
+        p.join()
+    raise TimeoutError(
+        f"{fn.__name__}: {len(alive)} rank(s) still running after {RANK_DEADLINE_S:.0f} s "
+        "(LEANDDP_TEST_RANK_DEADLINE_S); their threads' stacks are on stderr above"
     )
