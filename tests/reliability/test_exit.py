@@ -22,11 +22,11 @@ import textwrap
 import threading
 import weakref
 
+import dist_harness
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import dist_harness
 from dist_harness import _free_port, run_ranks
 from torch import nn
 
