@@ -67,7 +67,6 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   if (window_.device_ordered()) {
     const c10::Device device = params_.front().device();
     events_ = std::make_unique<EventPool>(device.type());
-    if (options_.step_in_backward) step_stream_ = pool_stream(device);
   }
   const size_t n = params_.size();
   grad_was_view_.assign(n, 0);
@@ -102,7 +101,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
 }
 
 Reducer::~Reducer() {
-  if (offload_) offload_->shutdown();
+  if (steps_) steps_->shutdown();
   for (size_t i = 0; i < grad_accumulators_.size(); ++i) {
     grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
   }
@@ -110,7 +109,7 @@ Reducer::~Reducer() {
 
 Reducer::Detached Reducer::close() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (offload_) offload_->shutdown();
+  if (steps_) steps_->shutdown();
   Detached detached;
   if (!process_group_) return detached;  // closed already
   armed_ = false;
@@ -122,7 +121,7 @@ Reducer::Detached Reducer::close() {
     detached.works.push_back(std::move(gather));
   }
   detached.comm_hook = std::move(comm_hook_);
-  detached.fallback = std::move(fallback_);
+  if (steps_) detached.fallback = steps_->take_fallback();
   works_.assign(buckets_.size(), {});
   futures_.assign(buckets_.size(), {});
   return detached;
@@ -180,7 +179,7 @@ bool Reducer::tracks_unused() const {
 bool Reducer::should_rebuild() const {
   // (offload_to_cpu with shard_optimizer_state keeps its first layout: see offload.h)
   return !has_rebuilt_ && (options_.static_graph || !options_.find_unused_parameters) &&
-         !(options_.shard_optimizer_state && offload_);
+         !(options_.shard_optimizer_state && options_.offload_to_cpu);
 }
 
 void Reducer::reset_iteration_state() {
@@ -513,14 +512,16 @@ void Reducer::finalize() {
       // The caller's stream (where the loop goes on after backward) sees the stepped weights;
       // the host does not wait. offload_to_cpu: the next forward waits for the host steps.
       // (with offload only for the NaN check's flags, set on its device-to-host stream)
-      if (!offload_ || nan_.armed()) follow_side_stream();
-      nan_.read_flags(buckets_, fused_.get());  // (device check: after the wait, on this stream)
+      if (steps_->caller_follows() || nan_.armed()) follow_side_stream();
+      nan_.read_flags(buckets_, fused_optimizer());  // (device check: after the wait)
       if (nan_.found()) raise_nonfinite(used);
-      if (offload_ && options_.shard_optimizer_state) {
-        finish_sharded_offload();
-      } else if (offload_) {
-        offload_->end_iteration(/*completed=*/true);
-      }
+      steps_->end_of_backward(*process_group_, [this] {
+        for (size_t b = 0; b < buckets_.size(); ++b) {
+          ensure_allocated(b);
+          gather_weights(b);
+          release(b);
+        }
+      });
     } else {
       for (size_t b : unstepped) collect_reduced(b);
       if (nan_.enabled()) nan_.check(buckets_, unstepped);

@@ -31,6 +31,9 @@
 // With offload_to_cpu (set_optimizer with a HostOffload) the step is handed to HostOffload
 // instead: on a GPU its device-to-host stream takes the side stream's place; the bucket is copied
 // to the host and released, and the next forward waits for the host steps (wait_for_steps).
+// What a step does is the step strategy's (step_strategy.h: DeviceSteps or HostSteps, built by
+// set_optimizer): step_bucket reads collect, check, strategy.step, release, and the end of
+// backward hands over to strategy.end_of_backward.
 //
 // Failures (see docs/reliability.md): a reduction that fails is rethrown into backward with what
 // was being reduced; a backward that raised part-way is wound up at the next forward, the same way
@@ -38,8 +41,9 @@
 // are stepped or handed back, and every rank raises at the end of backward.
 //
 // Concerns with state of their own, owned by the Reducer and called under `mu_`: the NaN check
-// (NonFiniteCheck, nan_check.h) and shard_optimizer_state's cut, gathers and clipping
-// (ShardGather, shard_gather.h).
+// (NonFiniteCheck, nan_check.h), shard_optimizer_state's cut, gathers and clipping
+// (ShardGather, shard_gather.h), and the optimizer with what stepping needs (StepStrategy,
+// step_strategy.h).
 //
 // Threading: hooks and the final callback run on autograd's threads; the Python-facing methods
 // run on the caller's thread with the GIL released. All mutable state is guarded by `mu_`.
@@ -54,6 +58,7 @@
 #include "run_stats.h"
 #include "shard.h"
 #include "shard_gather.h"
+#include "step_strategy.h"
 #include "step_window.h"
 #include "stepper.h"
 #include "streams.h"
@@ -396,13 +401,11 @@ class Reducer {
   // (cut by `shards`) gathered whole, padded (a collective).
   std::vector<at::Tensor> gather_state(const std::vector<Bucket>& buckets,
                                        const std::vector<ShardLayout>& shards, size_t index);
-  // offload_to_cpu with shard_optimizer_state, at the end of backward: with max_grad_norm the
-  // global norm from every rank's held buckets; the host steps (the host waits for them), then
-  // every bucket's stepped pieces gathered into the parameters, one bucket allocated at a time.
-  void finish_sharded_offload();
   // The fused optimizer, wherever it lives (null if none). With offload_to_cpu the worker must
   // be idle (wait_idle()).
   FusedOptimizer* fused_optimizer() const;
+  // offload_to_cpu: the steps run on the host (HostSteps), from set_optimizer on.
+  bool steps_on_host() const { return steps_ && steps_->host() != nullptr; }
   // Before the optimizer, its state or the parameters are touched from outside backward: on a
   // GPU the current stream waits for the side stream (device steps; not if `order_device` is
   // false, for reads of host counters, which may happen inside backward); with offload_to_cpu
@@ -421,8 +424,7 @@ class Reducer {
   std::vector<uintptr_t> hook_keys_;
   std::unordered_map<const torch::autograd::Node*, size_t> accumulator_index_;
   double div_factor_;
-  // GPU only: the stream in-backward steps run on (without offload) and the events that order it.
-  std::optional<c10::Stream> step_stream_;
+  // GPU only: the events that order the side stream and the compute stream.
   std::unique_ptr<EventPool> events_;
 
   mutable std::mutex mu_;
@@ -435,10 +437,8 @@ class Reducer {
   // synchronized one; a static graph's second), each parameter once.
   std::vector<int64_t> ready_order_;
   std::unique_ptr<CommHook> comm_hook_;
-  std::unique_ptr<FusedOptimizer> fused_;           // optimizer_in_backward, fused buckets
-  std::unique_ptr<BucketStepper> fallback_;         // optimizer_in_backward, the other buckets
-  at::Tensor amp_scale_, amp_found_inf_, amp_one_;  // set_grad_scaler (amp_one_: 1.0 there)
-  std::unique_ptr<HostOffload> offload_;  // offload_to_cpu: steps every bucket on the host
+  // optimizer_in_backward (set_optimizer): the optimizer and how a bucket is stepped.
+  std::unique_ptr<StepStrategy> steps_;
 
   // Per synchronized backward; reset by prepare_for_backward().
   bool armed_ = false;  // hooks count readiness (false: no_sync / no forward)

@@ -44,7 +44,7 @@ bool Reducer::abandon_iteration(bool step_launched) {
   if (nan_.armed()) {
     try {  // the device NaN check: the counts of the steps its flags skipped go back
       follow_side_stream();  // (the flags were set on the side stream)
-      nan_.read_flags(buckets_, fused_.get());
+      nan_.read_flags(buckets_, fused_optimizer());
     } catch (...) {
       ok = false;
     }
@@ -52,7 +52,7 @@ bool Reducer::abandon_iteration(bool step_launched) {
   if (options_.step_in_backward) {
     for (size_t b = 0; b < buckets_.size(); ++b) release(b);  // this step's gradients are dropped
   }
-  if (offload_) offload_->end_iteration(/*completed=*/false);
+  if (steps_) steps_->abandon();
   reset_iteration_state();
   std::fill(local_used_.begin(), local_used_.end(), 0);
   return ok;
@@ -71,7 +71,7 @@ void Reducer::recover_unfinished() {
 
 bool Reducer::steps_in_hooks() const {
   return options_.step_in_backward && !tracks_unused() && !clips_on_device() &&
-         !(nan_.strict() && !offload_);
+         !(nan_.strict() && !steps_on_host());
 }
 
 void Reducer::rethrow_collective_error(const std::string& what) const {
@@ -98,7 +98,7 @@ void rethrow_collective_error(int rank, const std::string& what) {
 void Reducer::raise_nonfinite(const std::vector<int32_t>& used) const {
   // (the steps before the bad bucket ran unless they waited for the end of backward:
   // offload_to_cpu holds them, strict defers them)
-  nan_.raise(names_, buckets_, used, !offload_ && !nan_.strict());
+  nan_.raise(names_, buckets_, used, !steps_on_host() && !nan_.strict());
 }
 
 }  // namespace leanddp

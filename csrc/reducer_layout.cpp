@@ -23,7 +23,6 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
   }
   // (shard_optimizer_state implies step_in_backward: nothing is allocated yet)
   if (options_.shard_optimizer_state) shard_.cut_all(buckets_, *process_group_);
-  if (fused_) fused_->set_shards(shard_.shards());
 }
 
 bool Reducer::rebuild_buckets() {
@@ -64,7 +63,7 @@ bool Reducer::rebuild_buckets() {
   // Sharded, a parameter's state may move to another rank: each old bucket's state is gathered
   // whole first (a collective, in bucket order on every rank), and each rank keeps its pieces.
   std::vector<std::vector<at::Tensor>> old_full;
-  if (fused_ && fused_->sharded()) {
+  if (fused_optimizer() && fused_optimizer()->sharded()) {
     for (size_t b = 0; b < buckets_.size(); ++b) {
       old_full.push_back(gather_state(buckets_, shard_.shards(), b));
     }
@@ -72,11 +71,7 @@ bool Reducer::rebuild_buckets() {
   const std::vector<Bucket> old_buckets = std::move(buckets_);
   build_buckets(assign_buckets(params_, order, options_.caps_bytes, options_.expect_sparse));
   if (recycler_) recycler_->clear();  // buffers cut for the old layout's bucket sizes
-  if (offload_) {
-    offload_->relayout(old_buckets, buckets_);
-  } else if (fused_) {
-    fused_->relayout(old_buckets, buckets_, old_full);
-  }
+  if (steps_) steps_->relayout(old_buckets, buckets_, shard_.shards(), old_full);
   if (options_.gradient_as_bucket_view) {
     for (size_t i = 0; i < n; ++i) {
       at::Tensor& grad = params_[i].mutable_grad();
@@ -101,8 +96,8 @@ MemoryStats Reducer::memory_stats() const {
   stats.num_buckets = static_cast<int64_t>(buckets_.size());
   stats.bucket_bytes = allocated_bytes_;
   wait_idle(/*host_too=*/false, /*order_device=*/false);  // (reads host counters only)
-  if (offload_) {
-    const OffloadStats host = offload_->stats();
+  if (HostOffload* offload = steps_ ? steps_->host() : nullptr) {
+    const OffloadStats host = offload->stats();
     stats.host_master_bytes = host.master_bytes;
     stats.host_buffer_bytes = host.host_buffer_bytes;
     stats.host_pinned_bytes = host.pinned_bytes;

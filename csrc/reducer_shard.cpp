@@ -1,15 +1,13 @@
 // The Reducer's shard_optimizer_state paths (see reducer.h and shard.h): gathering the stepped
-// weights back into the parameters (the gathers and the cut themselves: shard_gather.h), the
-// end of a sharded offloaded backward, and gathering the sharded optimizer state for
-// checkpoints and for a bucket rebuild.
+// weights back into the parameters (the gathers and the cut themselves: shard_gather.h; the end
+// of a sharded offloaded backward: HostSteps, step_strategy.h), and gathering the sharded
+// optimizer state for checkpoints and for a bucket rebuild.
 #include "reducer.h"
 
 #include "op_calls.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
-
-#include <cmath>
 
 namespace leanddp {
 
@@ -22,31 +20,6 @@ void Reducer::finish_gathers() {
   shard_.finish_deferred(buckets_, [this](size_t b) { release(b); });
 }
 
-void Reducer::finish_sharded_offload() {
-  std::optional<double> sum_squares;
-  if (offload_->clips()) {
-    offload_->wait(/*host_too=*/false);  // every bucket's squares taken (its step is held)
-    at::Tensor sum = at::scalar_tensor(offload_->held_sum_squares(),
-                                       params_.front().options().dtype(at::kDouble));
-    std::vector<at::Tensor> tensors{sum};
-    try {
-      process_group_->allreduce(tensors)->wait();
-    } catch (...) {
-      rethrow_collective_error("the reduction of the gradients' norm (max_grad_norm)");
-    }
-    sum_squares = sum.item<double>();
-  }
-  offload_->end_iteration(/*completed=*/true, sum_squares);
-  // The host steps and their copies into this rank's pieces (GPU: the current stream waits).
-  offload_->wait(/*host_too=*/false);
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    ensure_allocated(b);
-    gather_weights(b);
-    release(b);
-  }
-  offload_->adopt_versions();
-}
-
 std::vector<at::Tensor> Reducer::gather_state(const std::vector<Bucket>& buckets,
                                               const std::vector<ShardLayout>& shards,
                                               size_t index) {
@@ -57,7 +30,8 @@ std::vector<at::Tensor> Reducer::gather_state(const std::vector<Bucket>& buckets
     return params_[static_cast<size_t>(bucket.params[0])].scalar_type() != at::kFloat;
   };
   // offload_to_cpu: a low-precision bucket's float32 masters too (last).
-  if (offload_ && low(buckets[index])) local.push_back(offload_->masters_block(index));
+  HostOffload* host = steps_->host();
+  if (host && low(buckets[index])) local.push_back(host->masters_block(index));
   // Gathered on the parameters' device (the process group's), each buffer in turn, then kept
   // where the state lives (the host, with offload_to_cpu).
   const c10::Device device = params_.front().device();
@@ -94,7 +68,7 @@ std::vector<std::vector<std::pair<std::string, at::Tensor>>> Reducer::gathered_o
       const auto p = static_cast<size_t>(bucket.params[s]);
       out[p] = fused->state_from(p, full, bucket.offsets[s]);
       const at::Tensor& param = params_[p];
-      if (offload_ && param.scalar_type() != at::kFloat && !out[p].empty()) {
+      if (steps_on_host() && param.scalar_type() != at::kFloat && !out[p].empty()) {
         out[p].emplace_back("master_weight", slice_like(full.back(), bucket.offsets[s], param));
       }
     }
@@ -132,8 +106,8 @@ std::vector<std::tuple<int64_t, std::string, at::Tensor>> Reducer::local_optimiz
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const Bucket& bucket = buckets_[b];
     const std::vector<at::Tensor>& buffers = fused->state_buffers(b, bucket);
-    const bool masters =
-        offload_ && params_[static_cast<size_t>(bucket.params[0])].scalar_type() != at::kFloat;
+    const bool masters = steps_on_host() &&
+                         params_[static_cast<size_t>(bucket.params[0])].scalar_type() != at::kFloat;
     for (const ShardPiece& piece : shard_.shards()[b].pieces) {
       const int64_t p = bucket.params[piece.slot];
       const std::vector<std::string> keys = fused->buffer_keys(static_cast<size_t>(p));
@@ -141,8 +115,9 @@ std::vector<std::tuple<int64_t, std::string, at::Tensor>> Reducer::local_optimiz
         out.emplace_back(p, keys[k], buffers[k].narrow(0, piece.shard_offset, piece.numel));
       }
       if (masters) {
-        out.emplace_back(p, "master_weight",
-                         offload_->masters_block(b).narrow(0, piece.shard_offset, piece.numel));
+        out.emplace_back(
+            p, "master_weight",
+            steps_->host()->masters_block(b).narrow(0, piece.shard_offset, piece.numel));
       }
     }
   }
