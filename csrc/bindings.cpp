@@ -22,7 +22,8 @@ namespace py = pybind11;
 
 namespace {
 
-// A communication hook written in Python: `launch(index, bucket_count, buffer, params)` returns
+// A communication hook written in Python: `launch(index, bucket_count, buffer, params, offsets,
+// lengths)` returns
 // an object with `wait()` (a torch.futures.Future) whose value is the reduced tensor, or a list
 // holding it.
 class PyCommHook final : public leanddp::CommHook {
@@ -34,9 +35,10 @@ class PyCommHook final : public leanddp::CommHook {
     launch_ = py::object();
   }
   void launch(size_t index, size_t bucket_count, const at::Tensor& buffer,
-              const std::vector<int64_t>& params) override {
+              const std::vector<int64_t>& params, const std::vector<int64_t>& offsets,
+              const std::vector<int64_t>& lengths) override {
     py::gil_scoped_acquire gil;
-    py::object future = launch_(index, bucket_count, buffer, params);
+    py::object future = launch_(index, bucket_count, buffer, params, offsets, lengths);
     if (futures_.size() <= index) futures_.resize(index + 1);
     futures_[index] = std::move(future);
   }

@@ -16,11 +16,14 @@ class CommHook {
   virtual ~CommHook() = default;
   // Starts reducing bucket `index` of `bucket_count`, whose flat buffer `buffer` holds this
   // rank's gradients (not divided by the world size: the hook averages, as torch's hooks do) of
-  // the parameters `params` (Reducer indices, buffer order). Called on the autograd thread, in
-  // bucket order, once per bucket per synchronized backward, with the Reducer's lock held: it
-  // must not call back into the Reducer.
+  // the parameters `params` (Reducer indices, buffer order), each in the slice of `buffer` at
+  // `offsets` of `lengths` elements (the Bucket's layout; both empty for a sparse gradient,
+  // which is the buffer itself). Called on the autograd thread, in bucket order, once per bucket
+  // per synchronized backward, with the Reducer's lock held: it must not call back into the
+  // Reducer.
   virtual void launch(size_t index, size_t bucket_count, const at::Tensor& buffer,
-                      const std::vector<int64_t>& params) = 0;
+                      const std::vector<int64_t>& params, const std::vector<int64_t>& offsets,
+                      const std::vector<int64_t>& lengths) = 0;
   // Returns bucket `index`'s reduced tensor (same numel as the buffer; may be the buffer itself)
   // and forgets it. Called once per bucket per backward, from a hook or the end-of-backward
   // callback. On a GPU it is called with the stream that will read the result current (a side

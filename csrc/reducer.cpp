@@ -428,7 +428,10 @@ void Reducer::launch(size_t bucket_index) {
     sources_[p] = at::Tensor();
   }
   if (comm_hook_) {
-    comm_hook_->launch(bucket_index, buckets_.size(), bucket.flat, bucket.params);
+    std::vector<int64_t> lengths;
+    for (const at::Tensor& view : bucket.views) lengths.push_back(view.numel());
+    comm_hook_->launch(bucket_index, buckets_.size(), bucket.flat, bucket.params, bucket.offsets,
+                       lengths);
   } else {
     std::vector<at::Tensor> tensors{bucket.flat};
     try {

@@ -90,7 +90,7 @@ void Reducer::launch_sparse(size_t bucket_index) {
   if (!comm_hook_) grad.div_(div_factor_);  // in place, as torch's reducer does
   bucket.sparse_grad = grad;
   if (comm_hook_) {
-    comm_hook_->launch(bucket_index, buckets_.size(), grad, bucket.params);
+    comm_hook_->launch(bucket_index, buckets_.size(), grad, bucket.params, {}, {});
     settle(bucket_index);
     return;
   }

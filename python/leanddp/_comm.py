@@ -53,30 +53,22 @@ def make_launcher(
     state: Any,
     params: Sequence[torch.nn.Parameter],
     names: Sequence[str],
-) -> Callable[[int, int, Tensor, list[int]], torch.futures.Future]:
-    """The function the Reducer calls per bucket (bucket index, number of buckets, buffer, and
-    the indices into ``params`` of the bucket's parameters; ``names`` names them): builds the
-    GradBucket and runs the hook."""
-    layouts: dict[int, tuple[list[int], list[int], list[int], list[Tensor]]] = {}
+) -> Callable[[int, int, Tensor, list[int], list[int], list[int]], torch.futures.Future]:
+    """The function the Reducer calls per bucket: the bucket's index, the number of buckets,
+    its buffer, the indices into ``params`` of its parameters (``names`` names them) and their
+    slices' offsets and lengths in the buffer (the Reducer's layout; empty for a sparse
+    gradient). It builds the GradBucket and runs the hook."""
 
-    def layout(index: int, members: list[int]) -> tuple[list[int], list[int], list[Tensor]]:
-        cached = layouts.get(index)
-        if cached is None or cached[0] != members:  # (buckets are rebuilt once)
-            offsets, lengths, offset = [], [], 0
-            for i in members:
-                offsets.append(offset)
-                lengths.append(params[i].numel())
-                offset += params[i].numel()
-            cached = (list(members), offsets, lengths, [params[i] for i in members])
-            layouts[index] = cached
-        return cached[1], cached[2], cached[3]
-
-    def launch(index: int, bucket_count: int, buffer: Tensor, members: list[int]) -> Any:
-        offsets, lengths, members_params = layout(index, members)
-        if buffer.is_sparse:  # one parameter, no dense slices (torch's GradBucket has none)
-            offsets, lengths = [], []
+    def launch(
+        index: int,
+        bucket_count: int,
+        buffer: Tensor,
+        members: list[int],
+        offsets: list[int],
+        lengths: list[int],
+    ) -> Any:
         bucket = _C.make_grad_bucket(
-            index, bucket_count, buffer, offsets, lengths, list(members_params)
+            index, bucket_count, buffer, offsets, lengths, [params[i] for i in members]
         )
         if not buffer.is_sparse:
             future = hook(state, bucket)

@@ -12,7 +12,8 @@ a bucket, so a checkpoint loads at another world size or bucket size (DCP reads 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,44 +24,51 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties,
 )
 
+if TYPE_CHECKING:
+    from .optim._link import InBackward
+
 
 def _fail(message: str) -> None:
     raise ValueError(f"leanddp.DistributedDataParallel: {message}")
 
 
-def sharded_state_dict(ddp: Any) -> dict[str, Any]:
+def sharded_state_dict(
+    reducer: Any,
+    group: dist.ProcessGroup,
+    params: Sequence[torch.Tensor],
+    names: Sequence[str],
+    link: InBackward | None,
+) -> dict[str, Any]:
     """``{"state": {name: {"step": tensor, key: ShardedTensor}}, "param_groups": (...)}``
-    for every trainable parameter (by name), this rank's pieces as live views (module doc)."""
-    if not ddp._config.shard_optimizer_state:
+    for every trainable parameter (by name), this rank's pieces as live views (module doc).
+    ``reducer`` is the wrapper's ``_C.Reducer`` over ``params`` (named ``names``) on ``group``;
+    ``link`` its in-backward optimizer (its state rule and param groups)."""
+    if link is None or not reducer.options.shard_optimizer_state:
         _fail("sharded_optimizer_state_dict() needs shard_optimizer_state=True")
-    reducer = ddp.reducer
-    group = ddp.process_group
     ranks = dist.get_process_group_ranks(group)
     placement = reducer.shard_placement()
     steps = reducer.optimizer_steps()
     local = {(p, key): view for p, key, view in reducer.local_optimizer_state()}
     # Every rank must see every key: a rank without a piece of a parameter learns its keys, and
-    # where they live, from the fused optimizer's rule (link.view.spec), as the ranks holding
-    # pieces do.
-    link = ddp._in_backward
+    # where they live, from the fused optimizer's rule (`spec`), as the ranks holding pieces do.
     state: dict[str, dict[str, Any]] = {}
-    for p, name in enumerate(ddp._param_names):
+    for p, name in enumerate(names):
         pieces = placement[p]
         if not pieces:  # no elements: no state
             continue
         entry: dict[str, Any] = {"step": torch.tensor(float(steps[p]))}
-        spec = link.view.spec(p)
-        for key in (key for key in spec.keys if key != "step"):  # (the count is not sharded)
+        rule = link.view.spec(p)
+        for key in (key for key in rule.keys if key != "step"):  # (the count is not sharded)
             shards = []
             metadata = []
             for rank, offset, numel in pieces:
-                where = f"rank:{ranks[rank]}/{spec.device}"
+                where = f"rank:{ranks[rank]}/{rule.device}"
                 metadata.append(ShardMetadata([offset], [numel], where))
                 if ranks[rank] == dist.get_rank():
                     shards.append(Shard(local[(p, key)], metadata[-1]))
-            properties = TensorProperties(dtype=spec.dtype)
+            properties = TensorProperties(dtype=rule.dtype)
             global_metadata = ShardedTensorMetadata(
-                metadata, torch.Size([ddp._params[p].numel()]), properties
+                metadata, torch.Size([params[p].numel()]), properties
             )
             entry[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
                 shards, global_metadata, process_group=group
@@ -70,16 +78,21 @@ def sharded_state_dict(ddp: Any) -> dict[str, Any]:
     # has no local shard of its ShardedTensors, and DCP's load then falls back to its older
     # flattening, which agrees with the newer one on tuples (not on lists or dicts of groups).
     groups = tuple(
-        {k: v for k, v in g.items() if k != "params"} for g in ddp.optimizer.param_groups
+        {k: v for k, v in g.items() if k != "params"} for g in link.optimizer.param_groups
     )
     return {"state": state, "param_groups": groups}
 
 
-def load_sharded_state_dict(ddp: Any, state_dict: dict[str, Any]) -> None:
-    """After ``dcp.load`` filled ``state_dict`` (made by :func:`sharded_state_dict` of this
-    wrapper, whose pieces it loaded in place): sets the step counts and the param groups'
-    hyper-parameters. Raises naming the entry if ``state_dict`` is not such a dict."""
-    if not ddp._config.shard_optimizer_state:
+def load_sharded_state_dict(
+    reducer: Any,
+    names: Sequence[str],
+    link: InBackward | None,
+    state_dict: dict[str, Any],
+) -> None:
+    """After ``dcp.load`` filled ``state_dict`` (made by :func:`sharded_state_dict` of the same
+    ``reducer``, whose pieces it loaded in place): sets the step counts and the hyper-parameters
+    of ``link``'s param groups. Raises naming the entry if ``state_dict`` is not such a dict."""
+    if link is None or not reducer.options.shard_optimizer_state:
         _fail("load_sharded_optimizer_state_dict() needs shard_optimizer_state=True")
     state = state_dict.get("state")
     groups = state_dict.get("param_groups")
@@ -88,19 +101,17 @@ def load_sharded_state_dict(ddp: Any, state_dict: dict[str, Any]) -> None:
             "the state dict must have 'state' and 'param_groups' as made by "
             "sharded_optimizer_state_dict()"
         )
-    if len(groups) != len(ddp.optimizer.param_groups):
-        _fail(
-            f"the state dict has {len(groups)} param groups, the optimizer "
-            f"{len(ddp.optimizer.param_groups)}"
-        )
-    steps = ddp.reducer.optimizer_steps()
-    for p, name in enumerate(ddp._param_names):
+    param_groups = link.optimizer.param_groups
+    if len(groups) != len(param_groups):
+        _fail(f"the state dict has {len(groups)} param groups, the optimizer {len(param_groups)}")
+    steps = reducer.optimizer_steps()
+    for p, name in enumerate(names):
         if name not in state:
             continue
         step = state[name].get("step")
         if not isinstance(step, torch.Tensor) or step.numel() != 1:
             _fail(f"state of parameter {name!r}: 'step' must be a one-element tensor")
         steps[p] = int(step.item())
-    ddp.reducer.set_optimizer_steps(steps)
-    for group, saved in zip(ddp.optimizer.param_groups, groups, strict=True):
+    reducer.set_optimizer_steps(steps)
+    for group, saved in zip(param_groups, groups, strict=True):
         group.update({k: v for k, v in saved.items() if k != "params"})

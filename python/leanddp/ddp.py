@@ -490,13 +490,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         (what ``clip_grad_norm_`` returns; -1 without ``max_grad_norm``). Zeros without
         offload_to_cpu."""
         s = self.reducer.offload_stats()
-        return {
-            "iterations": s.iterations,
-            "buckets": s.buckets,
-            "step_seconds": s.step_seconds,
-            "wait_seconds": s.wait_seconds,
-            "grad_norm": s.grad_norm,
-        }
+        keys = ("iterations", "buckets", "step_seconds", "wait_seconds", "grad_norm")
+        return {key: getattr(s, key) for key in keys}
 
     def sharded_optimizer_state_dict(self) -> dict[str, Any]:
         """shard_optimizer_state: this rank's shard of ``self.optimizer``'s state, for
@@ -507,14 +502,18 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         :meth:`load_sharded_optimizer_state_dict`. Loads at another world size too."""
         from . import _sharded_checkpoint  # (loads torch's ShardedTensor: only when used)
 
-        return _sharded_checkpoint.sharded_state_dict(self)
+        return _sharded_checkpoint.sharded_state_dict(
+            self.reducer, self.process_group, self._params, self._param_names, self._in_backward
+        )
 
     def load_sharded_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
         """After ``dcp.load(state_dict, ...)`` of a :meth:`sharded_optimizer_state_dict` of
         this wrapper: sets the step counts and the param groups' hyper-parameters."""
         from . import _sharded_checkpoint
 
-        _sharded_checkpoint.load_sharded_state_dict(self, state_dict)
+        _sharded_checkpoint.load_sharded_state_dict(
+            self.reducer, self._param_names, self._in_backward, state_dict
+        )
 
     def synchronize(self) -> None:
         """Makes the last step's updates visible to the caller: with ``offload_to_cpu`` the

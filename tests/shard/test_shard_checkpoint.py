@@ -84,3 +84,16 @@ def test_saved_on_two_ranks_loaded_on_three(tmp_path: Path) -> None:
         (tmp_path / str(k)).mkdir()
     run_ranks(2, _save_all, tmp_path)
     run_ranks(3, _load_all, tmp_path)
+
+
+def _refused(rank: int, world_size: int) -> None:
+    for kwargs in ({}, {"optimizer_in_backward": OPTIMIZERS["adamw"]}):
+        ddp = leanddp.DistributedDataParallel(Net(f64=False), **kwargs)
+        with pytest.raises(ValueError, match="needs shard_optimizer_state=True"):
+            ddp.sharded_optimizer_state_dict()
+        with pytest.raises(ValueError, match="needs shard_optimizer_state=True"):
+            ddp.load_sharded_optimizer_state_dict({"state": {}, "param_groups": ()})
+
+
+def test_a_wrapper_that_is_not_sharded_refuses_sharded_checkpoints() -> None:
+    run_ranks(1, _refused)
