@@ -312,6 +312,8 @@ void bind_reducer(py::module_& m) {
       .def("offload_stats", &Reducer::offload_stats, py::call_guard<py::gil_scoped_release>())
       .def("load_master_weight", &Reducer::load_master_weight, py::arg("param"), py::arg("value"),
            py::call_guard<py::gil_scoped_release>())
+      .def("adopt_master_weights", &Reducer::adopt_master_weights,
+           py::call_guard<py::gil_scoped_release>())
       .def(
           "set_optimizer_groups",
           [](Reducer& self, const std::vector<py::dict>& groups) {

@@ -46,6 +46,7 @@ HostOffload::HostOffload(std::vector<at::Tensor> params, std::unique_ptr<FusedOp
   const size_t n = params_.size();
   masters_.resize(n);
   versions_.assign(n, 0);
+  made_.assign(n, 0);
   location_.assign(n, {SIZE_MAX, 0});
   worker_ = std::thread([this, sync = sync_] { run_worker(sync); });
 }
@@ -259,6 +260,16 @@ void HostOffload::process(Job& job) {
   held_.push_back(std::move(job));
 }
 
+void HostOffload::adopt_masters() {
+  for (size_t p = 0; p < params_.size(); ++p) {
+    if (!low_precision(p)) continue;
+    made_[p] = 1;
+    if (!ensure_master(p).defined()) continue;  // (sharded: no piece here)
+    versions_[p] = params_[p]._version();
+    ++generation_;
+  }
+}
+
 void HostOffload::adopt_versions() {
   for (size_t p = 0; p < params_.size(); ++p) versions_[p] = params_[p]._version();
 }
@@ -290,6 +301,7 @@ void HostOffload::step_job(const Job& job, std::optional<double> grad_scale) {
   for (size_t s = 0; s < layout.params.size(); ++s) {
     const auto p = static_cast<size_t>(layout.params[s]);
     if (!job.refresh[s]) continue;
+    made_[p] = 1;
     const at::Tensor& master = ensure_master(p);
     if (master.defined()) master.copy_(weights_slot(p));  // (sharded: p may have no piece here)
   }
@@ -376,6 +388,7 @@ void HostOffload::load_master(size_t p, const at::Tensor& value) {
   const at::Tensor master = ensure_master(p);
   if (master.defined()) master.copy_(part(p, value.reshape(param.sizes())).view(master.sizes()));
   versions_[p] = param._version();
+  made_[p] = 1;
   ++generation_;
 }
 

@@ -150,8 +150,15 @@ class HostOffload {
   FusedOptimizer& optimizer() { return *optimizer_; }
   // Parameter p's float32 master if p is low-precision and has one (else undefined).
   at::Tensor master(size_t p) const;
+  // Whether low-precision parameter p's master was made (stepped or loaded), on every rank
+  // alike: sharded, also where this rank holds no piece of it. Worker idle.
+  bool master_made(size_t p) const { return made_[p] != 0; }
   // Sets parameter p's master (from a checkpoint); it is kept until p is changed by others.
   void load_master(size_t p, const at::Tensor& value);
+  // The masters blocks were written in place (a checkpoint loaded into masters_block's views):
+  // each low-precision parameter's master is kept, as after load_master, until p is changed
+  // by others.
+  void adopt_masters();
   int64_t generation() const { return generation_; }
   // GPU: CUDA events created so far (pooled).
   int64_t events_created() const { return events_ ? events_->created() : 0; }
@@ -236,6 +243,7 @@ class HostOffload {
   // refresh the master).
   std::vector<at::Tensor> masters_;
   std::vector<uint32_t> versions_;
+  std::vector<char> made_;  // per parameter: master_made()
   // Changes when a master appears or is loaded: on the worker (ensure_master in a step) and on
   // the caller's thread (loads, reads), hence atomic.
   std::atomic<int64_t> generation_{0};

@@ -247,6 +247,10 @@ class Reducer {
   OffloadStats offload_stats() const;
   // Sets a low-precision parameter's float32 master weight (offload_to_cpu checkpoints).
   void load_master_weight(size_t p, const at::Tensor& value);
+  // offload_to_cpu: the master weights were loaded in place, into the views
+  // local_optimizer_state handed out (torch.distributed.checkpoint): they, not the parameters'
+  // rounded values, are what the next steps start from.
+  void adopt_master_weights();
   // The fused optimizer's live hyper-parameters, one per group (called at each forward).
   void set_optimizer_groups(std::vector<OptimHyper> groups);
   // torch.amp.GradScaler for the next backward's steps (called at each forward; undefined

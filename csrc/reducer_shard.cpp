@@ -68,7 +68,8 @@ std::vector<std::vector<std::pair<std::string, at::Tensor>>> Reducer::gathered_o
       const auto p = static_cast<size_t>(bucket.params[s]);
       out[p] = fused->state_from(p, full, bucket.offsets[s]);
       const at::Tensor& param = params_[p];
-      if (steps_on_host() && param.scalar_type() != at::kFloat && !out[p].empty()) {
+      HostOffload* host = steps_->host();  // (a master alone too: SGD without momentum)
+      if (host && param.scalar_type() != at::kFloat && host->master_made(p)) {
         out[p].emplace_back("master_weight", slice_like(full.back(), bucket.offsets[s], param));
       }
     }

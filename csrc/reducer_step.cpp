@@ -157,6 +157,14 @@ void Reducer::load_master_weight(size_t p, const at::Tensor& value) {
   host->load_master(p, value);
 }
 
+void Reducer::adopt_master_weights() {
+  std::lock_guard<std::mutex> lock(mu_);
+  HostOffload* host = steps_ ? steps_->host() : nullptr;
+  TORCH_CHECK(host, "Reducer: master weights exist only with offload_to_cpu");
+  wait_idle(/*host_too=*/true);
+  host->adopt_masters();
+}
+
 void Reducer::set_optimizer_groups(std::vector<OptimHyper> groups) {
   std::lock_guard<std::mutex> lock(mu_);
   // Host numbers only (kernels take them by value when queued): no device ordering needed.
@@ -187,8 +195,8 @@ std::vector<std::pair<std::string, at::Tensor>> Reducer::optimizer_state(size_t 
   if (!fused || !fused->can_step(p)) return {};
   const auto [b, s] = location_[p];
   auto state = fused->state(p, b, buckets_[b], s);
-  HostOffload* host = steps_->host();
-  if (host && !state.empty() && host->master(p).defined()) {
+  HostOffload* host = steps_->host();  // (a master alone: SGD without momentum)
+  if (host && host->master(p).defined()) {
     state.emplace_back("master_weight", host->master(p));
   }
   return state;

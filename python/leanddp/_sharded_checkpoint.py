@@ -113,5 +113,7 @@ def load_sharded_state_dict(
             _fail(f"state of parameter {name!r}: 'step' must be a one-element tensor")
         steps[p] = int(step.item())
     reducer.set_optimizer_steps(steps)
+    if reducer.options.offload_to_cpu:  # the masters were loaded in place, not rounded
+        reducer.adopt_master_weights()
     for group, saved in zip(param_groups, groups, strict=True):
         group.update({k: v for k, v in saved.items() if k != "params"})

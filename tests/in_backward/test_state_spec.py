@@ -130,11 +130,6 @@ def _state_as_the_rule_says(rank: int, world_size: int) -> None:
                 if not spec.stepped:  # torch's own state, from the per-bucket fallback
                     assert p.dtype == torch.float64, f"{what} {name}"
                     continue
-                if spec.keys == ["master_weight"] and not entry:
-                    # Not yet as the rule says: the Reducer hands out a master weight only beside
-                    # other state (Reducer::optimizer_state), so SGD without momentum shows no
-                    # bfloat16/float16 master in optimizer.state (sharded checkpoints hold it).
-                    continue
                 assert list(entry) == spec.keys, f"{what} {name}: {list(entry)}"
                 for key in spec.buffers:
                     value = entry[key]

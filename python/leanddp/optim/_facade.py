@@ -129,6 +129,31 @@ def _before_load(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -
     link = optimizer.__dict__.get("_leanddp_link")
     if link is not None:
         link.loading = True
+        link.saved = _saved_tensors(optimizer, link.params, state_dict)
+
+
+def _saved_tensors(
+    optimizer: torch.optim.Optimizer, params: list[Any], state_dict: dict[str, Any]
+) -> dict[int, dict[str, Any]]:
+    """The tensors of ``state_dict``'s state as saved, per index into ``params``, before torch's
+    load casts them to their parameter's dtype (which would round the float32 master weights
+    and moments offload_to_cpu keeps for bfloat16/float16 parameters). Parameters are matched
+    as torch's load matches them: the saved groups' ids in order, to the groups' parameters in
+    order (a mismatch is torch's error, raised after this hook)."""
+    try:
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        entries = state_dict["state"].items()
+    except (KeyError, TypeError, AttributeError):
+        return {}
+    current = [p for group in optimizer.param_groups for p in group["params"]]
+    index = {id(p): i for i, p in enumerate(params)}
+    param_of = dict(zip(saved_ids, current, strict=False))
+    out = {}
+    for k, entry in entries:
+        p = param_of.get(k)
+        if p is not None and id(p) in index and isinstance(entry, dict):
+            out[index[id(p)]] = {key: v for key, v in entry.items() if isinstance(v, torch.Tensor)}
+    return out
 
 
 def _after_load(optimizer: torch.optim.Optimizer) -> None:

@@ -89,6 +89,8 @@ class InBackward:
         self.offload = offload
         names = names or [str(i) for i in range(len(params))]
         self.loading = False  # inside optimizer.load_state_dict(): the state is the loaded one
+        # load_state_dict: the state's tensors as saved (uncast), per parameter index
+        self.saved: dict[int, dict[str, Any]] = {}
         self.view = StateView(
             optimizer,
             self.kind,
@@ -149,6 +151,7 @@ class InBackward:
         """Makes the current hyper-parameters (and GradScaler's scale) the ones the next
         in-backward steps use, and adopts optimizer state code replaced since the last one."""
         self.loading = False  # a load_state_dict that raised changed nothing
+        self.saved = {}
         if self.kind:
             self.reducer.set_optimizer_groups(self._hypers())
         if self.scaler is not None:
@@ -175,13 +178,15 @@ class InBackward:
         self.view.sync(reducer)
 
     def load_state(self) -> None:
-        """Copies what ``optimizer.state`` holds for fused parameters into the fused state."""
+        """Copies what ``optimizer.state`` holds for fused parameters into the fused state: the
+        tensors as saved, not as torch's load cast them (:func:`_facade._saved_tensors`)."""
         self.loading = False
+        saved, self.saved = self.saved, {}
         reducer = self.reducer
         if reducer is None or not self.kind:
             return
         reducer.set_optimizer_groups(self._hypers())  # the loaded groups (momentum on or off)
-        self.view.load_all(reducer)
+        self.view.load_all(reducer, saved)
 
     def gathered_state(self) -> dict[nn.Parameter, dict[str, Any]]:
         """shard_optimizer_state: every parameter's state in torch's format, gathered from

@@ -151,20 +151,30 @@ class StateView:
             self.given[i] = None if entry is None else (entry, tuple(entry.values()))
         return True
 
-    def _check_and_load(self, reducer: Any, indices: list[int]) -> list[dict[str, Any] | None]:
+    def _check_and_load(
+        self, reducer: Any, indices: list[int], saved: dict[int, dict[str, Any]] | None = None
+    ) -> list[dict[str, Any] | None]:
         """Checks the ``optimizer.state`` entries of these parameters, all before any is copied,
-        then copies them into the fused state; returns the entries (None where absent)."""
+        then copies them into the fused state; returns the entries (None where absent).
+        ``saved[i]``: tensors to take instead of the entry's values of the same keys (the state
+        as saved, before torch's load cast it)."""
         entries = [self.state.get(self.params[i]) for i in indices]
+        if saved:
+            entries = [
+                e if not e or i not in saved else {k: saved[i].get(k, v) for k, v in e.items()}
+                for i, e in zip(indices, entries, strict=True)
+            ]
         for i, entry in zip(indices, entries, strict=True):
             self.check(i, entry or {})
         for i, entry in zip(indices, entries, strict=True):
             self.load(reducer, i, entry or {})
         return entries
 
-    def load_all(self, reducer: Any) -> None:
+    def load_all(self, reducer: Any, saved: dict[int, dict[str, Any]] | None = None) -> None:
         """Copies what ``optimizer.state`` holds for every fused parameter into the fused state
-        (after ``load_state_dict``) and points the entries at it."""
-        self._check_and_load(reducer, [i for i, f in enumerate(self.fused) if f])
+        (after ``load_state_dict``; ``saved``: see :meth:`_check_and_load`) and points the
+        entries at it."""
+        self._check_and_load(reducer, [i for i, f in enumerate(self.fused) if f], saved)
         self.generation = -1
         self.sync(reducer, adopt=False)
 
