@@ -50,7 +50,8 @@ def sharded_state_dict(
     steps = reducer.optimizer_steps()
     local = {(p, key): view for p, key, view in reducer.local_optimizer_state()}
     # Every rank must see every key: a rank without a piece of a parameter learns its keys, and
-    # where they live, from the fused optimizer's rule (`spec`), as the ranks holding pieces do.
+    # where they live, from the fused optimizer's rule (link.view.spec), as the ranks holding
+    # pieces do.
     state: dict[str, dict[str, Any]] = {}
     for p, name in enumerate(names):
         pieces = placement[p]
