@@ -408,8 +408,9 @@ class Reducer {
   // The fused optimizer, wherever it lives (null if none). With offload_to_cpu the worker must
   // be idle (wait_idle()).
   FusedOptimizer* fused_optimizer() const;
-  // offload_to_cpu: the steps run on the host (HostSteps), from set_optimizer on.
-  bool steps_on_host() const { return steps_ && steps_->host() != nullptr; }
+  // offload_to_cpu, from set_optimizer on: the HostOffload that steps every bucket on the host
+  // (HostSteps'); null otherwise.
+  HostOffload* host_offload() const { return steps_ ? steps_->host() : nullptr; }
   // Before the optimizer, its state or the parameters are touched from outside backward: on a
   // GPU the current stream waits for the side stream (device steps; not if `order_device` is
   // false, for reads of host counters, which may happen inside backward); with offload_to_cpu

@@ -71,7 +71,7 @@ void Reducer::recover_unfinished() {
 
 bool Reducer::steps_in_hooks() const {
   return options_.step_in_backward && !tracks_unused() && !clips_on_device() &&
-         !(nan_.strict() && !steps_on_host());
+         !(nan_.strict() && !host_offload());
 }
 
 void Reducer::rethrow_collective_error(const std::string& what) const {
@@ -98,7 +98,7 @@ void rethrow_collective_error(int rank, const std::string& what) {
 void Reducer::raise_nonfinite(const std::vector<int32_t>& used) const {
   // (the steps before the bad bucket ran unless they waited for the end of backward:
   // offload_to_cpu holds them, strict defers them)
-  nan_.raise(names_, buckets_, used, !steps_on_host() && !nan_.strict());
+  nan_.raise(names_, buckets_, used, !host_offload() && !nan_.strict());
 }
 
 }  // namespace leanddp

@@ -63,7 +63,8 @@ bool Reducer::rebuild_buckets() {
   // Sharded, a parameter's state may move to another rank: each old bucket's state is gathered
   // whole first (a collective, in bucket order on every rank), and each rank keeps its pieces.
   std::vector<std::vector<at::Tensor>> old_full;
-  if (fused_optimizer() && fused_optimizer()->sharded()) {
+  FusedOptimizer* fused = fused_optimizer();
+  if (fused && fused->sharded()) {
     for (size_t b = 0; b < buckets_.size(); ++b) {
       old_full.push_back(gather_state(buckets_, shard_.shards(), b));
     }
@@ -96,7 +97,7 @@ MemoryStats Reducer::memory_stats() const {
   stats.num_buckets = static_cast<int64_t>(buckets_.size());
   stats.bucket_bytes = allocated_bytes_;
   wait_idle(/*host_too=*/false, /*order_device=*/false);  // (reads host counters only)
-  if (HostOffload* offload = steps_ ? steps_->host() : nullptr) {
+  if (HostOffload* offload = host_offload()) {
     const OffloadStats host = offload->stats();
     stats.host_master_bytes = host.master_bytes;
     stats.host_buffer_bytes = host.host_buffer_bytes;

@@ -30,7 +30,7 @@ std::vector<at::Tensor> Reducer::gather_state(const std::vector<Bucket>& buckets
     return params_[static_cast<size_t>(bucket.params[0])].scalar_type() != at::kFloat;
   };
   // offload_to_cpu: a low-precision bucket's float32 masters too (last).
-  HostOffload* host = steps_->host();
+  HostOffload* host = host_offload();
   if (host && low(buckets[index])) local.push_back(host->masters_block(index));
   // Gathered on the parameters' device (the process group's), each buffer in turn, then kept
   // where the state lives (the host, with offload_to_cpu).
@@ -60,6 +60,7 @@ std::vector<std::vector<std::pair<std::string, at::Tensor>>> Reducer::gathered_o
   TORCH_CHECK(fused && fused->sharded(),
               "Reducer: gathered_optimizer_state needs shard_optimizer_state");
   wait_idle(/*host_too=*/true);
+  HostOffload* host = host_offload();  // (a master alone too: SGD without momentum)
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> out(params_.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const std::vector<at::Tensor> full = gather_state(buckets_, shard_.shards(), b);
@@ -68,7 +69,6 @@ std::vector<std::vector<std::pair<std::string, at::Tensor>>> Reducer::gathered_o
       const auto p = static_cast<size_t>(bucket.params[s]);
       out[p] = fused->state_from(p, full, bucket.offsets[s]);
       const at::Tensor& param = params_[p];
-      HostOffload* host = steps_->host();  // (a master alone too: SGD without momentum)
       if (host && param.scalar_type() != at::kFloat && host->master_made(p)) {
         out[p].emplace_back("master_weight", slice_like(full.back(), bucket.offsets[s], param));
       }
@@ -103,11 +103,12 @@ std::vector<std::tuple<int64_t, std::string, at::Tensor>> Reducer::local_optimiz
   TORCH_CHECK(fused && fused->sharded(),
               "Reducer: local_optimizer_state needs shard_optimizer_state");
   wait_idle(/*host_too=*/true);
+  HostOffload* host = host_offload();
   std::vector<std::tuple<int64_t, std::string, at::Tensor>> out;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const Bucket& bucket = buckets_[b];
     const std::vector<at::Tensor>& buffers = fused->state_buffers(b, bucket);
-    const bool masters = steps_on_host() &&
+    const bool masters = host != nullptr &&
                          params_[static_cast<size_t>(bucket.params[0])].scalar_type() != at::kFloat;
     for (const ShardPiece& piece : shard_.shards()[b].pieces) {
       const int64_t p = bucket.params[piece.slot];
@@ -116,9 +117,8 @@ std::vector<std::tuple<int64_t, std::string, at::Tensor>> Reducer::local_optimiz
         out.emplace_back(p, keys[k], buffers[k].narrow(0, piece.shard_offset, piece.numel));
       }
       if (masters) {
-        out.emplace_back(
-            p, "master_weight",
-            steps_->host()->masters_block(b).narrow(0, piece.shard_offset, piece.numel));
+        out.emplace_back(p, "master_weight",
+                         host->masters_block(b).narrow(0, piece.shard_offset, piece.numel));
       }
     }
   }

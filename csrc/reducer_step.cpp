@@ -133,7 +133,7 @@ void Reducer::wait_for_steps(bool host_too) {
 
 OffloadStats Reducer::offload_stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (HostOffload* host = steps_ ? steps_->host() : nullptr) return host->stats();
+  if (HostOffload* host = host_offload()) return host->stats();
   OffloadStats stats;
   stats.grad_norm = options_.max_grad_norm ? shard_.grad_norm() : -1;  // (shard_optimizer_state)
   return stats;
@@ -151,7 +151,7 @@ void Reducer::load_master_weight(size_t p, const at::Tensor& value) {
   at::NoGradGuard no_grad;
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(p < params_.size(), "Reducer: no parameter ", p);
-  HostOffload* host = steps_ ? steps_->host() : nullptr;
+  HostOffload* host = host_offload();
   TORCH_CHECK(host, "Reducer: master weights exist only with offload_to_cpu");
   wait_idle(/*host_too=*/true);
   host->load_master(p, value);
@@ -159,7 +159,7 @@ void Reducer::load_master_weight(size_t p, const at::Tensor& value) {
 
 void Reducer::adopt_master_weights() {
   std::lock_guard<std::mutex> lock(mu_);
-  HostOffload* host = steps_ ? steps_->host() : nullptr;
+  HostOffload* host = host_offload();
   TORCH_CHECK(host, "Reducer: master weights exist only with offload_to_cpu");
   wait_idle(/*host_too=*/true);
   host->adopt_masters();
@@ -195,7 +195,7 @@ std::vector<std::pair<std::string, at::Tensor>> Reducer::optimizer_state(size_t 
   if (!fused || !fused->can_step(p)) return {};
   const auto [b, s] = location_[p];
   auto state = fused->state(p, b, buckets_[b], s);
-  HostOffload* host = steps_->host();  // (a master alone: SGD without momentum)
+  HostOffload* host = host_offload();  // (a master alone: SGD without momentum)
   if (host && host->master(p).defined()) {
     state.emplace_back("master_weight", host->master(p));
   }

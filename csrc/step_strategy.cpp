@@ -7,12 +7,6 @@
 
 namespace leanddp {
 
-void StepStrategy::set_grad_scaler(at::Tensor scale, at::Tensor found_inf) {
-  (void)found_inf;
-  TORCH_CHECK(!scale.defined(),
-              "Reducer::set_grad_scaler: offload_to_cpu does not take a GradScaler");
-}
-
 int64_t StepStrategy::generation() const {
   const FusedOptimizer* fused = optimizer();
   return fused ? fused->generation() : 0;
@@ -166,6 +160,12 @@ void HostSteps::relayout(const std::vector<Bucket>& old_buckets, const std::vect
                          const std::vector<ShardLayout>&,
                          const std::vector<std::vector<at::Tensor>>&) {
   offload_->relayout(old_buckets, buckets);  // (sharded: never; the layout is fixed)
+}
+
+void HostSteps::set_grad_scaler(at::Tensor scale, at::Tensor found_inf) {
+  (void)found_inf;
+  TORCH_CHECK(!scale.defined(),
+              "Reducer::set_grad_scaler: offload_to_cpu does not take a GradScaler");
 }
 
 int64_t HostSteps::generation() const {

@@ -72,7 +72,7 @@ class StepStrategy {
                         const std::vector<ShardLayout>& shards,
                         const std::vector<std::vector<at::Tensor>>& old_full) = 0;
   // torch.amp.GradScaler's scale and found_inf for the next backward (undefined: none).
-  virtual void set_grad_scaler(at::Tensor scale, at::Tensor found_inf);
+  virtual void set_grad_scaler(at::Tensor scale, at::Tensor found_inf) = 0;
   // close(): the Python fallback stepper, for the caller to destroy with the GIL.
   virtual std::unique_ptr<BucketStepper> take_fallback() { return nullptr; }
   // Stops a worker thread (HostSteps), once its queued steps are done.
@@ -133,6 +133,7 @@ class HostSteps final : public StepStrategy {
   void end_of_backward(c10d::ProcessGroup& group,
                        const std::function<void()>& gather_back) override;
   void abandon() override { offload_->end_iteration(/*completed=*/false); }
+  void set_grad_scaler(at::Tensor scale, at::Tensor found_inf) override;  // (refuses one)
   void wait(bool host_too) override { offload_->wait(host_too); }
   void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& buckets,
                 const std::vector<ShardLayout>& shards,
