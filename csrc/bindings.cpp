@@ -217,7 +217,8 @@ void bind_reducer(py::module_& m) {
       .def_readonly("recycled_bucket_bytes", &leanddp::MemoryStats::recycled_bucket_bytes)
       .def_readonly("host_master_bytes", &leanddp::MemoryStats::host_master_bytes)
       .def_readonly("host_buffer_bytes", &leanddp::MemoryStats::host_buffer_bytes)
-      .def_readonly("host_pinned_bytes", &leanddp::MemoryStats::host_pinned_bytes);
+      .def_readonly("host_pinned_bytes", &leanddp::MemoryStats::host_pinned_bytes)
+      .def_readonly("host_accumulation_bytes", &leanddp::MemoryStats::host_accumulation_bytes);
   py::class_<leanddp::OffloadStats>(m, "OffloadStats")
       .def_readonly("iterations", &leanddp::OffloadStats::iterations)
       .def_readonly("buckets", &leanddp::OffloadStats::buckets)
@@ -246,6 +247,7 @@ void bind_reducer(py::module_& m) {
       .def_readwrite("shard_optimizer_state", &ReducerOptions::shard_optimizer_state)
       .def_readwrite("offload_to_cpu", &ReducerOptions::offload_to_cpu)
       .def_readwrite("offload_threads", &ReducerOptions::offload_threads)
+      .def_readwrite("accumulate_on_host", &ReducerOptions::accumulate_on_host)
       .def_readwrite("max_grad_norm", &ReducerOptions::max_grad_norm);
   py::class_<OptimizerSetup>(m, "OptimizerSetup",
                              "What Reducer.set_optimizer needs (optimizer_in_backward).")
@@ -294,6 +296,8 @@ void bind_reducer(py::module_& m) {
           },
           py::arg("setup"))
       .def("wait_for_steps", &Reducer::wait_for_steps, py::arg("host_too") = false,
+           py::call_guard<py::gil_scoped_release>())
+      .def("discard_host_gradients", &Reducer::discard_host_gradients,
            py::call_guard<py::gil_scoped_release>())
       .def("close",
            [](Reducer& self) {

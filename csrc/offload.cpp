@@ -75,8 +75,13 @@ void HostOffload::shutdown() {
 }
 
 void HostOffload::post(std::function<void()> task) {
+  post_after(EventPool::Handle(), std::move(task));
+}
+
+void HostOffload::post_after(EventPool::Handle copied, std::function<void()> task) {
   Job job;
   job.task = std::move(task);
+  job.copied = std::move(copied);
   {
     std::lock_guard<std::mutex> lock(sync_->mu);
     if (sync_->stop) return;
@@ -171,6 +176,11 @@ void HostOffload::end_iteration(bool completed, std::optional<double> sum_square
   sync_->cv.notify_all();
 }
 
+void HostOffload::drain() {
+  std::unique_lock<std::mutex> lock(sync_->mu);
+  sync_->cv.wait(lock, [&] { return sync_->stop || (queue_.empty() && !sync_->busy); });
+}
+
 void HostOffload::wait(bool host_too) {
   const auto start = std::chrono::steady_clock::now();
   std::exception_ptr error;
@@ -239,6 +249,7 @@ void HostOffload::run_worker(const std::shared_ptr<Sync>& sync) {
 
 void HostOffload::process(Job& job) {
   if (job.task) {
+    if (job.copied) job.copied->synchronize();
     job.task();
     return;
   }

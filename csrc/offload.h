@@ -106,6 +106,12 @@ class HostOffload {
   // GPU: the stream the device-to-host copies run on (the caller orders it after a bucket's
   // reduction before submit(), and records the bucket's memory on it before releasing it).
   c10::Stream d2h_stream() const { return *d2h_stream_; }
+  // GPU: the stream the copies back to the device run on.
+  c10::Stream h2d_stream() const { return *h2d_stream_; }
+  // Whether the parameters live on a device that runs apart (the copies are asynchronous).
+  bool on_gpu() const { return on_gpu_; }
+  // Host memory that crosses PCIe: pinned on a GPU.
+  const at::TensorOptions& staging_options() const { return staging_options_; }
   // Bucket `index` holds its averaged gradients (`bucket.flat`): queues its host step for the
   // members whose `mask[slot]` is set. On a GPU the d2h stream must be ordered after the
   // reduction of the bucket (see d2h_stream()); after it returns the bucket may be released.
@@ -143,6 +149,11 @@ class HostOffload {
   // Runs `task` on the worker after the jobs queued before it (no step, no copy). Used by tests
   // to drop the last reference to this object on the worker thread.
   void post(std::function<void()> task);
+  // Runs `task` on the worker after the jobs queued before it, once `copied` (if any) is done:
+  // HostAccumulator's additions.
+  void post_after(EventPool::Handle copied, std::function<void()> task);
+  // Blocks until the worker is idle (no stream ordering; an error stays for wait()).
+  void drain();
   // From now on (before the first submit) steps wait for end_iteration(), as with clipping.
   void hold_steps() { hold_ = true; }
 

@@ -212,6 +212,10 @@ void Reducer::reset_iteration_state() {
 std::vector<std::string> Reducer::prepare_for_forward() {
   std::lock_guard<std::mutex> lock(mu_);
   recover_unfinished();
+  if (std::exchange(local_callback_queued_, false)) {
+    // A no_sync() backward raised before its end: what it accumulated goes to the host now.
+    for (size_t b = 0; b < buckets_.size(); ++b) flush_local(b);
+  }
   reduced_since_forward_ = false;
   std::vector<std::string> replaced;
   if (!options_.gradient_as_bucket_view) return replaced;
@@ -283,6 +287,7 @@ void Reducer::autograd_hook(size_t index) {
     // no_sync() or a backward not prepared by a forward: accumulate locally, in the views. A
     // parameter used here is used in the next synchronized step, as in torch's DDP.
     if (params_[index].grad().defined()) local_used_[index] = 1;
+    if (accumulator()) return accumulate_locally(index);  // summed on the host, bucket by bucket
     // (a sparse gradient accumulates in param.grad, by autograd)
     if (!options_.gradient_as_bucket_view || expects_sparse(index)) return;
     at::Tensor& grad = params_[index].mutable_grad();
@@ -371,13 +376,8 @@ void Reducer::mark_ready(size_t index) {
   }
 }
 
-void Reducer::launch(size_t bucket_index) {
-  timer_.mark(IterationTimer::kBackwardCommStart);
-  if (buckets_[bucket_index].sparse) return launch_sparse(bucket_index);
-  ensure_allocated(bucket_index);
+void Reducer::average_into(size_t bucket_index, std::optional<double> scale) {
   Bucket& bucket = buckets_[bucket_index];
-  const std::optional<double> scale =
-      comm_hook_ ? std::nullopt : std::optional<double>(1.0 / div_factor_);
   std::vector<at::Tensor> sources;
   bool copies = false;
   for (size_t s = 0; s < bucket.params.size(); ++s) {
@@ -415,6 +415,28 @@ void Reducer::launch(size_t bucket_index) {
         }
       }
     }
+  }
+}
+
+void Reducer::launch(size_t bucket_index) {
+  timer_.mark(IterationTimer::kBackwardCommStart);
+  if (buckets_[bucket_index].sparse) return launch_sparse(bucket_index);
+  ensure_allocated(bucket_index);
+  Bucket& bucket = buckets_[bucket_index];
+  const std::optional<double> scale =
+      comm_hook_ ? std::nullopt : std::optional<double>(1.0 / div_factor_);
+  // accumulate_on_host: the no_sync() micro-batches' sum is added in, on its stream (GPU), and
+  // the reduction starts there.
+  HostAccumulator* acc = accumulator();
+  const bool summed = acc && acc->holds(bucket_index);
+  std::optional<StreamScope> on_sum_stream;
+  if (summed && window_.device_ordered()) {
+    on_sum_stream.emplace(sum_stream(bucket_index));
+  }
+  if (summed) {
+    add_host_sum(bucket_index, scale);
+  } else {
+    average_into(bucket_index, scale);
   }
   for (size_t s = 0; s < bucket.params.size(); ++s) {
     const auto p = static_cast<size_t>(bucket.params[s]);

@@ -31,6 +31,10 @@
 // With offload_to_cpu (set_optimizer with a HostOffload) the step is handed to HostOffload
 // instead: on a GPU its device-to-host stream takes the side stream's place; the bucket is copied
 // to the host and released, and the next forward waits for the host steps (wait_for_steps).
+// With accumulate_on_host (offload_to_cpu) a no_sync() backward hands each bucket, once its
+// gradients are complete, to the HostAccumulator (host_accum.h) and releases it; the next
+// synchronized backward adds each bucket's host sum at its launch, before the reduction
+// (reducer_accum.cpp).
 // What a step does is the step strategy's (step_strategy.h: DeviceSteps or HostSteps, built by
 // set_optimizer): step_bucket reads collect, check, strategy.step, release, and the end of
 // backward hands over to strategy.end_of_backward.
@@ -130,6 +134,9 @@ struct ReducerOptions {
   // HostOffload that steps every bucket on the host with `offload_threads` threads.
   bool offload_to_cpu = false;
   int offload_threads = 1;
+  // offload_to_cpu: no_sync() micro-batches' gradients are summed on the host (HostAccumulator,
+  // host_accum.h), each bucket released from the device as soon as it is complete.
+  bool accumulate_on_host = false;
   // offload_to_cpu or shard_optimizer_state: clip the gradients' global 2-norm to this (torch's
   // clip_grad_norm_). With offload_to_cpu the host steps clip (OffloadOptions); sharded on the
   // device, the steps wait for the end of backward, where the squared norms of every rank's
@@ -172,6 +179,9 @@ struct MemoryStats {
   int64_t host_master_bytes = 0;
   int64_t host_buffer_bytes = 0;
   int64_t host_pinned_bytes = 0;
+  // accumulate_on_host: the no_sync() micro-batches' sums and incoming copies on the host
+  // (counted in host_pinned_bytes where pinned).
+  int64_t host_accumulation_bytes = 0;
 };
 
 class Reducer {
@@ -225,6 +235,9 @@ class Reducer {
   // not wait), and the host waits for its host steps (offload_to_cpu) and rethrows an error met
   // there. `host_too`: the host waits for the copies back as well (not only the current stream).
   void wait_for_steps(bool host_too);
+  // accumulate_on_host: drops the no_sync() micro-batches' gradients summed on the host
+  // (zero_grad() during an accumulation); a no-op otherwise.
+  void discard_host_gradients();
   // What close() lets go of, for the caller to destroy where it may: the process group and
   // in-flight works without the GIL (tearing down a process group joins its threads), the
   // communication hook and fallback stepper (they hold Python objects) with it.
@@ -316,6 +329,23 @@ class Reducer {
   void mark_ready(size_t index);
   // Copies/scales the bucket's gradients into its flat buffer and starts its reduction.
   void launch(size_t bucket_index);
+  // The bucket's gradients copied into its flat buffer and averaged (`scale`: 1/world; none
+  // with a comm hook), as torch's reducer does.
+  void average_into(size_t bucket_index, std::optional<double> scale);
+  // accumulate_on_host (reducer_accum.cpp). A no_sync() backward's hook: counts the bucket's
+  // gradients and hands it to the host once complete (the first hook queues finish_local).
+  void accumulate_locally(size_t index);
+  // Bucket b's local gradients (zeros where a parameter has none) flattened into it, added to
+  // its host sum, the bucket and the gradients released. Nothing if no parameter has one.
+  void flush_local(size_t b);
+  // The end of a no_sync() backward (or the forward after one that raised): flushes the rest.
+  void finish_local();
+  // At the launch of bucket b holding a host sum, on a GPU: the stream the sum is added and the
+  // reduction started on (the HostAccumulator's), made to wait for the compute stream.
+  c10::Stream sum_stream(size_t b);
+  // At the launch of bucket b holding a host sum: the sum copied into it, this micro-batch's
+  // gradients added into their slots, then the bucket averaged (`scale`).
+  void add_host_sum(size_t b, std::optional<double> scale);
   // The end-of-backward callback: waits for every reduction and writes the results to grads.
   void finalize();
   // After an error in an armed iteration (raised in finalize, or a backward that stopped part-way,
@@ -411,6 +441,7 @@ class Reducer {
   // offload_to_cpu, from set_optimizer on: the HostOffload that steps every bucket on the host
   // (HostSteps'); null otherwise.
   HostOffload* host_offload() const { return steps_ ? steps_->host() : nullptr; }
+  HostAccumulator* accumulator() const { return steps_ ? steps_->accumulator() : nullptr; }
   // Before the optimizer, its state or the parameters are touched from outside backward: on a
   // GPU the current stream waits for the side stream (device steps; not if `order_device` is
   // false, for reads of host counters, which may happen inside backward); with offload_to_cpu
@@ -448,6 +479,10 @@ class Reducer {
   // Per synchronized backward; reset by prepare_for_backward().
   bool armed_ = false;  // hooks count readiness (false: no_sync / no forward)
   bool callback_queued_ = false;
+  // accumulate_on_host, per no_sync() backward: finish_local is queued; per bucket, the
+  // parameters whose hook has not fired yet.
+  bool local_callback_queued_ = false;
+  std::vector<size_t> local_pending_;
   bool unused_marked_ = false;    // parameters found unused were marked ready
   bool recording_order_ = false;  // this backward's readiness order feeds the rebuild
   size_t next_bucket_ = 0;        // next bucket to launch

@@ -103,6 +103,10 @@ MemoryStats Reducer::memory_stats() const {
     stats.host_buffer_bytes = host.host_buffer_bytes;
     stats.host_pinned_bytes = host.pinned_bytes;
   }
+  if (HostAccumulator* acc = accumulator()) {
+    stats.host_accumulation_bytes = acc->host_bytes();
+    stats.host_pinned_bytes += acc->pinned_bytes();
+  }
   FusedOptimizer* fused = fused_optimizer();
   stats.optimizer_state_bytes = fused ? fused->state_bytes() : 0;
   stats.peak_bucket_bytes = peak_bucket_bytes_;

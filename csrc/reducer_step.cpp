@@ -115,8 +115,8 @@ void Reducer::set_optimizer(OptimizerSpec spec) {
     // The NaN check runs before the host steps: they wait for the end of backward.
     if (nan_.enabled()) offload->hold_steps();
     // (spec.fallback is not needed: the host steps every bucket)
-    steps_ =
-        std::make_unique<HostSteps>(std::move(offload), options_.shard_optimizer_state, device);
+    steps_ = std::make_unique<HostSteps>(std::move(offload), options_.shard_optimizer_state, device,
+                                         options_.accumulate_on_host, buckets_);
     return;
   }
   std::optional<c10::Stream> stream;

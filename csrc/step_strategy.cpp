@@ -114,8 +114,11 @@ void DeviceSteps::set_grad_scaler(at::Tensor scale, at::Tensor found_inf) {
   amp_found_inf_ = std::move(found_inf);
 }
 
-HostSteps::HostSteps(std::unique_ptr<HostOffload> offload, bool sharded, c10::Device device)
-    : offload_(std::move(offload)), sharded_(sharded), device_(device) {}
+HostSteps::HostSteps(std::unique_ptr<HostOffload> offload, bool sharded, c10::Device device,
+                     bool accumulate_on_host, const std::vector<Bucket>& buckets)
+    : offload_(std::move(offload)), sharded_(sharded), device_(device) {
+  if (accumulate_on_host) accumulator_ = std::make_unique<HostAccumulator>(*offload_, buckets);
+}
 
 void HostSteps::step(size_t index, Bucket& bucket, const std::vector<int32_t>* used,
                      const c10::intrusive_ptr<c10d::ProcessGroup>&) {
@@ -160,6 +163,7 @@ void HostSteps::relayout(const std::vector<Bucket>& old_buckets, const std::vect
                          const std::vector<ShardLayout>&,
                          const std::vector<std::vector<at::Tensor>>&) {
   offload_->relayout(old_buckets, buckets);  // (sharded: never; the layout is fixed)
+  if (accumulator_) accumulator_->set_layout(buckets);
 }
 
 void HostSteps::set_grad_scaler(at::Tensor scale, at::Tensor found_inf) {

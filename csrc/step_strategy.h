@@ -8,7 +8,9 @@
 //     stepped and the stepped shards all-gathered back into the parameters right after.
 //   * HostSteps: offload_to_cpu. Every bucket is copied to the host and stepped there by
 //     HostOffload (offload.h) on its device-to-host stream; the next forward waits. Sharded,
-//     the pieces are gathered back into the parameters at the end of backward.
+//     the pieces are gathered back into the parameters at the end of backward. With
+//     accumulate_on_host it also owns the HostAccumulator (host_accum.h) that holds no_sync()
+//     micro-batches' gradients on the host.
 // Both steps' sharded cut, gathers and clipping are ShardGather's (shard_gather.h); the NaN
 // check's state is NonFiniteCheck's (nan_check.h).
 //
@@ -20,6 +22,7 @@
 
 #include "bucket.h"
 #include "fused_optim.h"
+#include "host_accum.h"
 #include "nan_check.h"
 #include "offload.h"
 #include "shard_gather.h"
@@ -45,6 +48,8 @@ class StepStrategy {
   virtual FusedOptimizer* optimizer() const = 0;
   // HostSteps' HostOffload (its masters and statistics); null for DeviceSteps.
   virtual HostOffload* host() const { return nullptr; }
+  // HostSteps' HostAccumulator (accumulate_on_host); null otherwise.
+  virtual HostAccumulator* accumulator() const { return nullptr; }
   // GPU: the stream the steps are queued on; the Reducer makes it wait for each bucket's
   // gradients and reduction before step(), and records the bucket's memory on it after.
   virtual c10::Stream stream() const = 0;
@@ -122,10 +127,13 @@ class DeviceSteps final : public StepStrategy {
 // offload_to_cpu: every used parameter of a bucket is stepped on the host by `offload`.
 class HostSteps final : public StepStrategy {
  public:
-  // `device`: the parameters' (where the norm of max_grad_norm is allreduced).
-  HostSteps(std::unique_ptr<HostOffload> offload, bool sharded, c10::Device device);
+  // `device`: the parameters' (where the norm of max_grad_norm is allreduced). `buckets`: with
+  // `accumulate_on_host`, the layout of the HostAccumulator built over `offload`.
+  HostSteps(std::unique_ptr<HostOffload> offload, bool sharded, c10::Device device,
+            bool accumulate_on_host, const std::vector<Bucket>& buckets);
   FusedOptimizer* optimizer() const override { return &offload_->optimizer(); }
   HostOffload* host() const override { return offload_.get(); }
+  HostAccumulator* accumulator() const override { return accumulator_.get(); }
   c10::Stream stream() const override { return offload_->d2h_stream(); }
   bool caller_follows() const override { return false; }
   void step(size_t index, Bucket& bucket, const std::vector<int32_t>* used,
@@ -144,6 +152,7 @@ class HostSteps final : public StepStrategy {
 
  private:
   std::unique_ptr<HostOffload> offload_;
+  std::unique_ptr<HostAccumulator> accumulator_;  // (declared after offload_: destroyed first)
   bool sharded_;
   c10::Device device_;
 };

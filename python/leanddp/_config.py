@@ -70,6 +70,9 @@ class DDPConfig:
     clip_grad_norm_ would."""
     offload_threads: int = 1
     """offload_to_cpu: threads of the host optimizer step."""
+    accumulate_on_host: bool = False
+    """offload_to_cpu: no_sync() micro-batches' gradients are summed in host memory, each
+    bucket released from the device once complete (default with offload_to_cpu)."""
     sparse_names: tuple[str, ...] = ()
     """Trainable parameters whose gradients are sparse tensors (torch's rule: parameters of
     ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``): each is reduced on its own as a
@@ -102,6 +105,7 @@ class DDPConfig:
         options.shard_optimizer_state = self.shard_optimizer_state
         options.offload_to_cpu = self.offload_to_cpu
         options.offload_threads = self.offload_threads
+        options.accumulate_on_host = self.accumulate_on_host
         options.max_grad_norm = self.max_grad_norm
         return options
 
@@ -133,6 +137,18 @@ def default_offload_threads() -> int:
     except ValueError:
         local = 1
     return max(1, cpus // local)
+
+
+def _check_accumulate_on_host(kw: dict[str, Any]) -> bool:
+    value = kw["accumulate_on_host"]
+    if value is not None and not isinstance(value, bool):
+        _fail(f"accumulate_on_host must be a bool or None, got {value!r}", TypeError)
+    if value and not kw["offload_to_cpu"]:
+        _fail(
+            "accumulate_on_host=True needs offload_to_cpu=True: the no_sync() micro-batches' "
+            "gradients are summed in host memory beside the offloaded optimizer state"
+        )
+    return kw["offload_to_cpu"] if value is None else value
 
 
 def _check_offload(kw: dict[str, Any]) -> tuple[bool, float | None, int]:
@@ -328,6 +344,7 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
             TypeError,
         )
     offload, max_grad_norm, offload_threads = _check_offload(kw)
+    accumulate_on_host = _check_accumulate_on_host(kw)
     shard = _check_shard(kw)
     for name in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "init_sync"):
         if not isinstance(kw[name], bool):
@@ -395,6 +412,7 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
         offload_to_cpu=offload,
         max_grad_norm=max_grad_norm,
         offload_threads=offload_threads,
+        accumulate_on_host=accumulate_on_host,
         check_for_nan_in_grad=nan_check,
         sparse_names=sparse_names,
         shard_optimizer_state=shard,

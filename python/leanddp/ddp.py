@@ -46,6 +46,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     the CPUs) steps it while backward goes on; the updated weights are copied back and the next
     forward waits for them. ``max_grad_norm``: exact global-norm clipping (as
     ``torch.nn.utils.clip_grad_norm_``) of each step, with offload_to_cpu.
+    ``accumulate_on_host`` (default: on with ``offload_to_cpu``): inside ``no_sync()`` each
+    bucket's gradients go to host memory as soon as they are complete and the bucket is
+    released, so the device holds no gradient between micro-batches (``param.grad`` is None
+    there); the synchronized micro-batch adds the host sum back, bit for bit torch's
+    accumulation. ``zero_grad()`` (the wrapper's or ``self.optimizer``'s) drops that sum.
 
     ``grad_scaler``: the ``torch.amp.GradScaler`` of an fp16 loop with
     ``optimizer_in_backward``. Its scale must be known before the first bucket's step, so it is
@@ -99,6 +104,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         offload_to_cpu: bool = False,
         max_grad_norm: float | None = None,
         offload_threads: int | None = None,
+        accumulate_on_host: bool | None = None,
         check_for_nan_in_grad: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
         shard_optimizer_state: bool = False,
@@ -129,6 +135,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             offload_to_cpu=offload_to_cpu,
             max_grad_norm=max_grad_norm,
             offload_threads=offload_threads,
+            accumulate_on_host=accumulate_on_host,
             check_for_nan_in_grad=check_for_nan_in_grad,
             grad_scaler=grad_scaler,
             shard_optimizer_state=shard_optimizer_state,
@@ -441,7 +448,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         offload_to_cpu; 0 without optimizer_in_backward), ``host_master_bytes`` (float32 master
         weights on the host with offload_to_cpu: ordinary memory for bfloat16/float16
         parameters, the copy-back staging buffer itself for float32 ones),
-        ``host_buffer_bytes`` (offload_to_cpu's other staging buffers) and
+        ``host_buffer_bytes`` (offload_to_cpu's other staging buffers),
+        ``host_accumulation_bytes`` (accumulate_on_host's sums of no_sync() micro-batches) and
         ``host_pinned_bytes`` (how many of those host bytes are pinned: the staging buffers that
         cross PCIe when the model is on a GPU, nothing else); the counts ``grads_as_views``,
         ``grads_outside`` and ``num_buckets``; for the last synchronized backward,
@@ -452,8 +460,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         communication hook and optimizer_in_backward on a GPU, whose collectives keep their
         buckets past their release, at most ``buckets in flight + 1`` buffers); and
         ``host_bytes_per_param``: host bytes per trainable parameter by category
-        (``optimizer_state``, ``master_weights``, ``staging``, ``pinned``; all 0.0 without
-        offload_to_cpu)."""
+        (``optimizer_state``, ``master_weights``, ``staging``, ``accumulation``, ``pinned``; all
+        0.0 without offload_to_cpu)."""
         s = self.reducer.memory_stats()
         numel = max(1, sum(p.numel() for p in self._params))
         state = self._in_backward.state_bytes() if self._in_backward else 0
@@ -463,6 +471,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             # float32 masters are the copy-back staging buffer: counted as masters only
             "master_weights": s.host_master_bytes,
             "staging": s.host_buffer_bytes,
+            "accumulation": s.host_accumulation_bytes,
             "pinned": s.host_pinned_bytes,
         }
         return {
@@ -473,6 +482,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             "host_master_bytes": s.host_master_bytes,
             "host_buffer_bytes": s.host_buffer_bytes,
             "host_pinned_bytes": s.host_pinned_bytes,
+            "host_accumulation_bytes": s.host_accumulation_bytes,
             "grads_as_views": s.grads_as_views,
             "grads_outside": s.grads_outside,
             "num_buckets": s.num_buckets,
@@ -481,6 +491,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             "recycled_bucket_bytes": s.recycled_bucket_bytes,
             "host_bytes_per_param": {k: v / numel for k, v in host.items()},
         }
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``; with ``accumulate_on_host`` also drops the gradients of
+        the ``no_sync()`` micro-batches summed on the host since the last synchronized step."""
+        super().zero_grad(set_to_none)
+        if self._config.accumulate_on_host:
+            self.reducer.discard_host_gradients()
 
     def offload_stats(self) -> dict[str, float]:
         """offload_to_cpu's host side, counted since construction: ``iterations`` and

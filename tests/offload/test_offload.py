@@ -146,6 +146,7 @@ def _placement(rank: int, world_size: int) -> None:
         "optimizer_state": 8 + steps / numel,
         "master_weights": 4.0,  # the copy-back staging buffer is the float32 master
         "staging": 4.0,  # the gradients' staging buffer
+        "accumulation": 0.0,  # no no_sync() micro-batch yet
         "pinned": 0.0,  # nothing is pinned without a GPU
     }, per_param
     # bfloat16 parameters: float32 masters in a block of their own, bfloat16 staging both ways
@@ -164,6 +165,7 @@ def _placement(rank: int, world_size: int) -> None:
         "optimizer_state": 8 + 4 * 4 / low_numel,  # float32 state and step counters
         "master_weights": 4.0,
         "staging": 4.0,  # bfloat16 gradients in, bfloat16 weights out
+        "accumulation": 0.0,
         "pinned": 0.0,
     }, per_param
 

@@ -83,6 +83,16 @@ def _facade_state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
         link.loading = False
 
 
+def _facade_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    """torch's ``zero_grad()``; with accumulate_on_host also drops the gradients of the
+    ``no_sync()`` micro-batches summed on the host (which ``param.grad`` does not hold)."""
+    base_class(self).zero_grad(self, set_to_none)
+    link = self.__dict__.get("_leanddp_link")
+    reducer = link.reducer if link is not None else None
+    if reducer is not None:
+        reducer.discard_host_gradients()
+
+
 def _facade_add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
     raise NotImplementedError(
         "leanddp optimizer_in_backward: parameter groups cannot be added after wrapping; build "
@@ -114,6 +124,7 @@ def make_facade(optimizer: torch.optim.Optimizer, link: InBackward) -> None:
                 "_leanddp_in_backward": True,
                 "_step_supports_amp_scaling": True,  # GradScaler.step: see _facade_step
                 "step": _facade_step,
+                "zero_grad": _facade_zero_grad,
                 "add_param_group": _facade_add_param_group,
                 "state_dict": _facade_state_dict,
                 "state": property(_facade_state_get, _facade_state_set),

@@ -1,0 +1,111 @@
+#include "host_accum.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <functional>
+#include <optional>
+#include <utility>
+
+namespace leanddp {
+
+HostAccumulator::HostAccumulator(HostOffload& offload, const std::vector<Bucket>& buckets)
+    : offload_(offload), on_gpu_(offload.on_gpu()) {
+  if (on_gpu_) events_ = std::make_unique<EventPool>(offload.d2h_stream().device_type());
+  set_layout(buckets);
+}
+
+void HostAccumulator::set_layout(const std::vector<Bucket>& buckets) {
+  TORCH_CHECK(held_.empty() || held() == 0,
+              "HostAccumulator: the buckets were rebuilt while holding sums");
+  numel_.clear();
+  for (const Bucket& bucket : buckets) numel_.push_back(bucket.numel);
+  host_.assign(buckets.size(), HostBuffers{});
+  held_.assign(buckets.size(), 0);
+  taken_.clear();
+  taken_.resize(buckets.size());
+  added_.assign(buckets.size(), 0);
+}
+
+void HostAccumulator::add(size_t index, const at::Tensor& flat) {
+  TORCH_CHECK(index < numel_.size() && flat.numel() == numel_[index], "HostAccumulator: bucket ",
+              index, " does not match the layout it was given");
+  HostBuffers& host = host_[index];
+  const bool first = !held_[index];
+  at::Tensor& target = first ? host.sum : host.incoming;
+  if (!target.defined()) {
+    target = at::empty({numel_[index]}, offload_.staging_options().dtype(flat.scalar_type()));
+  }
+  // The worker may still be adding into this bucket's buffers (the previous micro-batch's
+  // addition; after discard(), one into the sum this copy overwrites): wait for it.
+  wait_added(index);
+  EventPool::Handle copied;
+  {
+    const c10::Stream d2h = offload_.d2h_stream();
+    std::optional<StreamScope> scope;
+    if (on_gpu_) {
+      stream_wait(d2h, current_stream(flat.device()), *events_);
+      if (taken_[index]) taken_[index]->block(d2h);  // the last take() read the sum
+      taken_[index].reset();
+      scope.emplace(d2h);
+    }
+    target.copy_(flat, /*non_blocking=*/on_gpu_);
+    if (on_gpu_) {
+      record_on_stream(flat, d2h);
+      copied = events_->record(d2h);
+    }
+  }
+  held_[index] = 1;
+  // The worker waits for the copy, then adds (torch's `grad = grad + new`, in the bucket's
+  // dtype); the first micro-batch's copy is the sum itself.
+  const int64_t sequence = ++posted_;
+  added_[index] = sequence;
+  at::Tensor sum = first ? at::Tensor() : host.sum;
+  at::Tensor incoming = first ? at::Tensor() : host.incoming;
+  offload_.post_after(std::move(copied), [sum, incoming, done = done_, sequence] {
+    if (sum.defined()) {
+      at::NoGradGuard no_grad;
+      sum.add_(incoming);
+    }
+    done->store(sequence);  // (the worker runs the tasks in order)
+  });
+}
+
+void HostAccumulator::wait_added(size_t index) {
+  // Normally done: the forward in between waited for the worker. A failed addition dropped the
+  // worker's queue; drain() returns then, and the error surfaces at the next forward.
+  if (done_->load() < added_[index]) offload_.drain();
+}
+
+void HostAccumulator::take(size_t index, const at::Tensor& flat) {
+  TORCH_CHECK(holds(index), "HostAccumulator: bucket ", index, " holds no sum");
+  wait_added(index);  // its additions are done (and with them its copies to the host)
+  flat.copy_(host_[index].sum, /*non_blocking=*/on_gpu_);
+  if (on_gpu_) {
+    const c10::Stream current = current_stream(flat.device());
+    record_on_stream(flat, current);
+    taken_[index] = events_->record(current);
+  }
+  held_[index] = 0;
+}
+
+void HostAccumulator::discard() { std::fill(held_.begin(), held_.end(), 0); }
+
+int64_t HostAccumulator::held() const {
+  return static_cast<int64_t>(std::count(held_.begin(), held_.end(), 1));
+}
+
+int64_t HostAccumulator::host_bytes() const {
+  int64_t bytes = 0;
+  for (const HostBuffers& host : host_) {
+    for (const at::Tensor* t : {&host.sum, &host.incoming}) {
+      if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+    }
+  }
+  return bytes;
+}
+
+int64_t HostAccumulator::pinned_bytes() const { return on_gpu_ ? host_bytes() : 0; }
+
+}  // namespace leanddp
