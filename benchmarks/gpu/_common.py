@@ -21,6 +21,7 @@ from leanddp.bench._env import environment
 from leanddp.bench._model import SIZES, ModelSize, TinyGPT
 from leanddp.bench._worker import (  # noqa: F401 (as the demo's)
     CONFIGS,
+    DEVICE_ACCUMULATION,
     SHARDED,
     SHARDED_OFFLOAD,
     build,

@@ -53,6 +53,8 @@ PAIRS = [
     ("leanddp + offload_to_cpu", ANCHOR),
     (SHARDED, ANCHOR),
     (SHARDED, "leanddp + optimizer_in_backward"),
+    # offload_to_cpu accumulating on the host (its default) against on the device
+    ("leanddp + offload_to_cpu", c.DEVICE_ACCUMULATION),
 ]
 OFFLOAD = "leanddp + offload_to_cpu"
 #: leanddp (views) against torch's DDP with views: at most this step-time ratio

@@ -21,6 +21,10 @@ Categories, per rank (the bench measures the same ones):
 - ``host_state``, ``host_masters``, ``host_staging``: with ``offload_to_cpu``, the float32
   moments, the float32 master weights and the staging buffers in host memory (for float32
   parameters the copy-back staging buffer is the master itself).
+- ``host_accumulation``: with ``offload_to_cpu`` and accumulation (``accumulate_on_host``, its
+  default), the sums of the ``no_sync()`` micro-batches' gradients and the buffer each later
+  micro-batch's copy lands in, in the parameters' dtype: one (accumulation 2) or two of every
+  bucket, unsharded (a bucket is reduced, and sharded, only at the synchronized micro-batch).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1, "sgd-no-momentum": 0}
 STEP_COUNTER_BYTES = {"adamw": 4, "adam": 4, "sgd": 0, "sgd-no-momentum": 0}
 
 DEVICE_CATEGORIES = ("parameters", "gradients", "buckets", "optimizer_state")
-HOST_CATEGORIES = ("host_state", "host_masters", "host_staging")
+HOST_CATEGORIES = ("host_state", "host_masters", "host_staging", "host_accumulation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +63,8 @@ class Mode:
     in_backward: bool = False
     offload: bool = False
     shard: bool = False
+    on_host: bool = True
+    """offload_to_cpu: ``accumulate_on_host`` (no_sync() micro-batches summed on the host)."""
 
     @property
     def keeps_first_layout(self) -> bool:
@@ -76,6 +82,13 @@ MODES = (
     Mode("leanddp + offload_to_cpu", "leanddp", in_backward=True, offload=True),
     Mode("leanddp in-backward sharded", "leanddp", in_backward=True, shard=True),
     Mode("leanddp offload sharded", "leanddp", in_backward=True, offload=True, shard=True),
+    Mode(
+        "leanddp + offload_to_cpu, accumulating on the device",
+        "leanddp",
+        in_backward=True,
+        offload=True,
+        on_host=False,
+    ),
 )
 
 
@@ -198,13 +211,19 @@ def estimate(
         out["gradients"] = shape.numel * p
     else:
         out["gradients"] = transient = TRANSIENT_BUCKETS * largest
-    # buckets released inside backward, unless accumulation (or clipping before the sharded
-    # device step, which needs the global norm) keeps them all until the end of backward
+    # buckets released inside backward, unless accumulation on the device (or clipping before
+    # the sharded device step, which needs the global norm) keeps them all until the end of
+    # backward; offload_to_cpu accumulates on the host, where the synchronized micro-batch
+    # allocates a bucket at its first gradient to fetch its sum: one bucket more
+    on_host = mode.offload and mode.on_host and accumulation > 1
     releases = (
-        mode.in_backward and accumulation == 1 and not (clip and mode.shard and not mode.offload)
+        mode.in_backward
+        and (accumulation == 1 or on_host)
+        and not (clip and mode.shard and not mode.offload)
     )
     if releases:
-        out["buckets"] = min(held, in_flight_buckets(mode, device_ordered) * largest)
+        window = in_flight_buckets(mode, device_ordered) + (1 if on_host else 0)
+        out["buckets"] = min(held, window * largest)
         transient += out["buckets"]
     else:
         out["buckets"] = held
@@ -220,9 +239,45 @@ def estimate(
         # the gradients' staging buffer; bfloat16/float16 add the rounded weights' (float32
         # weights are copied back from the masters themselves)
         out["host_staging"] = (1 if p == HOST_STATE_BYTES else 2) * p * stepped
+        if on_host:  # every bucket's sum, and from the second no_sync() micro-batch on the
+            # buffer its copy lands in (not padded: a bucket is cut into shards when reduced)
+            out["host_accumulation"] = (1 if accumulation == 2 else 2) * shape.numel * p
     else:
         out["optimizer_state"] = moments * p * stepped + (0 if mode.in_backward else counters)
     return Estimate(mode, out, transient)
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """offload_to_cpu's bytes over PCIe per rank, each way."""
+
+    no_sync_to_host: int
+    """Per ``no_sync()`` micro-batch: its gradients, every bucket once (accumulate_on_host)."""
+    step_to_host: int
+    """Per synchronized micro-batch: the reduced gradients (the rank's shard, sharded)."""
+    step_to_device: int
+    """Per synchronized micro-batch: the updated weights (the rank's shard, sharded: the rest
+    comes through the all-gather), and with accumulation the host sums, every bucket once."""
+
+
+def pcie_bytes(mode: Mode, shape: Shape, world_size: int = 1, accumulation: int = 1) -> Traffic:
+    """What ``mode`` (an offload_to_cpu one; zeros otherwise) copies between the device and the
+    host for ``shape`` at ``world_size`` ranks and ``accumulation`` micro-batches per step."""
+    if not mode.offload:
+        return Traffic(0, 0, 0)
+    p = shape.element_size
+    whole = shape.numel * p
+    shard = (
+        sum(b * n for b, n in shape.padded(world_size)) // world_size
+        if mode.shard and shape.buckets
+        else (whole // world_size if mode.shard else whole)
+    )
+    on_host = mode.on_host and accumulation > 1
+    return Traffic(
+        no_sync_to_host=whole if on_host else 0,
+        step_to_host=shard,
+        step_to_device=shard + (whole if on_host else 0),
+    )
 
 
 def per_parameter(

@@ -90,7 +90,8 @@ class Plan:
         """A markdown table: bytes per rank by category (in ``unit``), fits, largest model."""
         header = [
             "configuration", "parameters", "gradients", "buckets", "optimizer state",
-            "device total", "host state", "host masters", "host staging", "host total",
+            "device total", "host state", "host masters", "host staging", "host accumulation",
+            "host total",
             "fits", "largest model",
         ]  # fmt: skip
         lines = [

@@ -31,6 +31,8 @@ LEANDDP_CONFIGS = [
     SHARDED,
     "leanddp offload sharded",
 ]
+#: step_time only: offload_to_cpu with accumulate_on_host=False
+DEVICE_ACCUMULATION = "leanddp + offload_to_cpu, accumulating on the device"
 
 
 def suite_module(name: str):
@@ -155,17 +157,19 @@ def test_step_time_json_and_parameter_agreement(smoke_dir: Path) -> None:
     assert {"env", "args", "results", "verdicts", "numel"} <= set(report)
     assert [r["accum"] for r in report["results"]] == [1, 4]
     for res in report["results"]:
-        assert list(res["configs"]) == ["torch DDP", "torch DDP + views", *LEANDDP_CONFIGS]
+        assert list(res["configs"]) == [
+            "torch DDP", "torch DDP + views", *LEANDDP_CONFIGS, DEVICE_ACCUMULATION
+        ]  # fmt: skip
         for cfg in res["configs"].values():
             assert finite(cfg["step_seconds"]) and finite(cfg["final_loss"])
             assert all(finite(t) for t in cfg["times"])
-        assert len(res["ratios"]) == 6 and all(finite(r["ratio"]) for r in res["ratios"])
+        assert len(res["ratios"]) == 7 and all(finite(r["ratio"]) for r in res["ratios"])
         host = res["host_step"]
         assert finite(host["step_seconds"]) and finite(host["buckets"])
         assert finite(host["hidden"], positive=False) and host["hidden"] <= 1
         tolerance = PARAM_TOLERANCE[res["dtype"]]
         assert res["param_tolerance"] == tolerance
-        for name in LEANDDP_CONFIGS:
+        for name in [*LEANDDP_CONFIGS, DEVICE_ACCUMULATION]:
             diff = res["configs"][name]["param_rel_diff"]
             assert finite(diff, positive=False) and diff <= tolerance, (name, diff)
     shard_steps = [
@@ -173,7 +177,7 @@ def test_step_time_json_and_parameter_agreement(smoke_dir: Path) -> None:
     ]
     assert len(shard_steps) == len(report["results"])
     agreement = [v for v in report["verdicts"] if " parameters " in v["line"]]
-    assert len(agreement) == len(LEANDDP_CONFIGS) * len(report["results"])
+    assert len(agreement) == (len(LEANDDP_CONFIGS) + 1) * len(report["results"])
     assert all(v["passed"] and " agree PASS" in v["line"] for v in agreement)
 
 

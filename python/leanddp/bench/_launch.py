@@ -16,7 +16,7 @@ import torch
 from leanddp.bench._env import environment
 from leanddp.bench._model import SIZES, TinyGPT
 from leanddp.bench._report import plot, table
-from leanddp.bench._worker import CONFIGS, DTYPES, SHARDED, SHARDED_OFFLOAD
+from leanddp.bench._worker import CONFIGS, DEVICE_ACCUMULATION, DTYPES, SHARDED, SHARDED_OFFLOAD
 
 DEFAULT_CONFIGS = [
     "torch DDP",
@@ -25,7 +25,10 @@ DEFAULT_CONFIGS = [
     "leanddp + offload_to_cpu",
     SHARDED,
     SHARDED_OFFLOAD,
+    DEVICE_ACCUMULATION,
 ]
+#: Configurations that differ from another only with accumulation: run at --accum > 1 only.
+ACCUMULATION_ONLY = [DEVICE_ACCUMULATION]
 #: The configurations also run at every ``--world-sizes`` value: the sharded one and its
 #: unsharded counterpart (the others hold the same bytes per parameter at any world size).
 SERIES_CONFIGS = ["leanddp + optimizer_in_backward", SHARDED]
@@ -122,7 +125,12 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int, int]]:
     """(configuration, accumulation, world size) of every run, in order: each configuration at
     each accumulation at ``--nproc-per-node`` ranks, then the series configurations at the first
     accumulation at the other ``--world-sizes``, smallest first."""
-    runs = [(n, a, args.nproc_per_node) for a in args.accum for n in args.configs]
+    runs = [
+        (n, a, args.nproc_per_node)
+        for a in args.accum
+        for n in args.configs
+        if a > 1 or n not in ACCUMULATION_ONLY
+    ]
     series = [n for n in args.configs if n in SERIES_CONFIGS]
     for world in sorted(set(args.world_sizes) - {args.nproc_per_node}):
         runs += [(n, args.accum[0], world) for n in series]

@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 from leanddp import _memory
+from leanddp.bench import _accumulation
 
 #: The torch configuration shares torch's AdamW; leanddp's fused AdamW rounds differently (a few
 #: ulp per step) and accumulation sums micro-batch gradients in another order. AdamW turns
@@ -286,7 +287,11 @@ def table(report: dict) -> tuple[str, bool]:
     when there are any, get a table of their own with shard_optimizer_state's targets."""
     runs = report["runs"]
     world = main_world(runs)
-    lines = main_table(report, [r for r in runs if r["world_size"] == world])
+    main = [r for r in runs if r["world_size"] == world]
+    lines = main_table(report, main)
+    accumulation = _accumulation.lines(report, main)
+    if accumulation:
+        lines += ["", *accumulation]
     agreement, agree = losses_agree(runs)
     lines += agreement
     series = series_runs(runs)

@@ -45,12 +45,16 @@ class Config(NamedTuple):
     """``offload_to_cpu``."""
     shard: bool = False
     """``shard_optimizer_state``: each rank steps, and keeps AdamW state for, 1/N of a bucket."""
+    on_host: bool = True
+    """offload_to_cpu: ``accumulate_on_host`` (no_sync() micro-batches summed on the host)."""
 
 
 #: The in-backward configuration with shard_optimizer_state.
 SHARDED = "leanddp in-backward sharded"
 #: The offload_to_cpu configuration with shard_optimizer_state (each host holds 1/N).
 SHARDED_OFFLOAD = "leanddp offload sharded"
+#: offload_to_cpu with accumulate_on_host=False: no_sync() keeps the gradients on the device.
+DEVICE_ACCUMULATION = "leanddp + offload_to_cpu, accumulating on the device"
 CONFIGS = {
     "torch DDP": Config("torch", False, False, False),
     "torch DDP + views": Config("torch", True, False, False),
@@ -59,6 +63,7 @@ CONFIGS = {
     "leanddp + offload_to_cpu": Config("leanddp", True, True, True),
     SHARDED: Config("leanddp", True, True, False, shard=True),
     SHARDED_OFFLOAD: Config("leanddp", True, True, True, shard=True),
+    DEVICE_ACCUMULATION: Config("leanddp", True, True, True, on_host=False),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -70,7 +75,7 @@ def log(msg: str) -> None:
 
 def build(name: str, model: nn.Module, args: argparse.Namespace, device: torch.device):
     """The wrapped model and the optimizer the loop steps (None: stepped inside backward)."""
-    wrapper, views, in_backward, offload, shard = CONFIGS[name]
+    wrapper, views, in_backward, offload, shard, on_host = CONFIGS[name]
     adamw = functools.partial(torch.optim.AdamW, lr=args.lr, fused=True)
     kw = dict(bucket_cap_mb=args.bucket_cap_mb)
     if device.type == "cuda":
@@ -80,6 +85,8 @@ def build(name: str, model: nn.Module, args: argparse.Namespace, device: torch.d
         return ddp, adamw(ddp.parameters())
     if in_backward:
         kw.update(optimizer_in_backward=adamw, offload_to_cpu=offload)
+        if offload:
+            kw["accumulate_on_host"] = on_host
         if shard:
             kw["shard_optimizer_state"] = True
         return leanddp.DistributedDataParallel(model, **kw), None
@@ -128,7 +135,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 
 def measure(name: str, ddp: nn.Module, opt, batch: torch.Tensor, accum: int) -> dict[str, int]:
     """One more step that measures gradients, buckets and optimizer state (bytes, rank 0)."""
-    wrapper, _, in_backward, offload, _ = CONFIGS[name]
+    wrapper, _, in_backward, offload, _, _ = CONFIGS[name]
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     out = {"parameters": storages_bytes(params), "host": 0}
     if wrapper == "torch":
@@ -161,7 +168,13 @@ def measure(name: str, ddp: nn.Module, opt, batch: torch.Tensor, accum: int) -> 
         out["optimizer_device"] = state_bytes(opt)
     elif offload:
         out["optimizer_device"] = 0
-        out["host"] = s["optimizer_state_bytes"] + s["host_master_bytes"] + s["host_buffer_bytes"]
+        out["host"] = (
+            s["optimizer_state_bytes"]
+            + s["host_master_bytes"]
+            + s["host_buffer_bytes"]
+            + s["host_accumulation_bytes"]
+        )
+        out["host_accumulation"] = s["host_accumulation_bytes"]
     else:  # with shard_optimizer_state: this rank's shard
         out["optimizer_device"] = s["optimizer_state_bytes"]
     out["largest_bucket"] = max(ddp.reducer.bucket_bytes(), default=0)
