@@ -38,9 +38,9 @@ def mlp(dtype: torch.dtype = torch.float32) -> nn.Module:
     ).to(dtype)
 
 
-def doc_table() -> list[list[str]]:
+def doc_table(header: str = "| configuration |") -> list[list[str]]:
     lines = DOCS.read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("| configuration |"))
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
     rows = []
     for line in lines[start + 2 :]:
         if not line.startswith("|"):
@@ -68,6 +68,48 @@ def test_docs_memory_table_is_the_memory_model() -> None:
                 assert host_cell.startswith("4p/N") and host == 16 / world, name
             else:
                 assert host_cell.startswith("4p") and host == 16, name
+
+
+#: docs/memory.md's accumulation table rows, in order, and the configuration each describes
+ACCUMULATION_ROWS = [
+    ("+ `optimizer_in_backward`", "leanddp + optimizer_in_backward"),
+    ("+ `offload_to_cpu`", "leanddp + offload_to_cpu"),
+    (
+        "+ `offload_to_cpu`, `accumulate_on_host=False`",
+        "leanddp + offload_to_cpu, accumulating on the device",
+    ),
+    ("+ `shard_optimizer_state` + `offload_to_cpu`", "leanddp offload sharded"),
+]
+
+
+def test_docs_accumulation_table_is_the_memory_model() -> None:
+    """docs/memory.md's accumulation table (fp32 AdamW, accumulation 4): bytes per parameter
+    on the device and the host, and the PCIe bytes per micro-batch, are the model's."""
+    rows = doc_table("| configuration, accumulating |")
+    assert [r[0] for r in rows] == [name for name, _ in ACCUMULATION_ROWS]
+    p = 4
+
+    def cell(text: str, world: int) -> float:  # "2p", "p/N + p", "4p/N + 2p" in bytes
+        total = 0.0
+        for term in re.findall(r"(\d*)p(/N)?", text.split(":")[0]):
+            total += int(term[0] or 1) * p / (world if term[1] else 1)
+        return total
+
+    n = 1_000_000
+    shape = _memory.Shape(n, p, 0)
+    for row, (_, name) in zip(rows, ACCUMULATION_ROWS, strict=True):
+        for world in (2, 4, 8):
+            e = _memory.estimate(MODES[name], shape, world_size=world, accumulation=4)
+            assert e.device / n == cell(row[1].split("=")[0].strip("* ≈"), world), (name, world)
+            assert e.host / n == (0 if row[2] == "—" else cell(row[2], world)), (name, world)
+            t = _memory.pcie_bytes(MODES[name], shape, world, accumulation=4)
+            assert t.no_sync_to_host / n == (0 if row[3] == "—" else cell(row[3], world)), name
+            if row[4] == "—":
+                assert t.step_to_host == t.step_to_device == 0, name
+                continue
+            to_host, back = row[4].split(", ")
+            assert t.step_to_host / n == cell(to_host, world), (name, world)
+            assert t.step_to_device / n == cell(back, world), (name, world)
 
 
 def test_count_and_dtype() -> None:
