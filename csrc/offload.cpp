@@ -108,6 +108,12 @@ void HostOffload::set_layout(const std::vector<Bucket>& buckets, std::vector<Sha
     }
   }
   host_.assign(layout_.size(), HostBucket{});
+  last_submit_.assign(layout_.size(), 0);
+  {
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    copied_back_.clear();
+    copied_back_.resize(layout_.size());
+  }
   piece_of_.assign(params_.size(), -1);
   for (size_t b = 0; b < shards.size(); ++b) {
     for (size_t k = 0; k < shards[b].pieces.size(); ++k) {
@@ -132,6 +138,7 @@ void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<c
   }
   Job job;
   job.index = index;
+  job.sequence = last_submit_[index] = ++submitted_;
   job.layout = layout_[index];
   job.mask = mask;
   job.refresh.assign(bucket.params.size(), 0);
@@ -179,6 +186,20 @@ void HostOffload::end_iteration(bool completed, std::optional<double> sum_square
 void HostOffload::drain() {
   std::unique_lock<std::mutex> lock(sync_->mu);
   sync_->cv.wait(lock, [&] { return sync_->stop || (queue_.empty() && !sync_->busy); });
+}
+
+void HostOffload::wait_stepped(size_t index) {
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lock(sync_->mu);
+  // (a failed or stopped worker dropped its jobs: the queue is empty then)
+  sync_->cv.wait(lock, [&] {
+    return stepped_ >= last_submit_[index] || error_ || sync_->stop ||
+           (queue_.empty() && !sync_->busy);
+  });
+  stats_.wait_seconds += seconds_since(start);
+  if (on_gpu_ && copied_back_[index]) {
+    copied_back_[index]->block(current_stream(params_[0].device()));
+  }
 }
 
 void HostOffload::wait(bool host_too) {
@@ -329,8 +350,13 @@ void HostOffload::step_job(const Job& job, std::optional<double> grad_scale) {
   }
   optimizer_->step(job.index, layout, job.mask, targets);
   copy_back(job, weights);
-  std::lock_guard<std::mutex> lock(sync_->mu);
-  ++stats_.buckets;
+  {
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    ++stats_.buckets;
+    stepped_ = job.sequence;  // (jobs are stepped in submission order)
+    if (on_gpu_) copied_back_[job.index] = events_->record(*h2d_stream_);
+  }
+  sync_->cv.notify_all();  // (wait_stepped: also within an iteration's held steps)
 }
 
 void HostOffload::copy_back(const Job& job, const at::Tensor& weights) {

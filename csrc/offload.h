@@ -32,7 +32,8 @@
 // Sharded (shard_optimizer_state, set_layout with shards): the host holds this rank's shard of
 // each bucket only: the staging buffers, float32 masters and optimizer state are shard-sized,
 // the gradients copied to the host are the shard's (reduce-scattered), and the copy back writes
-// the stepped pieces into their parameters; the Reducer then gathers every rank's pieces. With
+// the stepped pieces into their parameters; the Reducer then gathers every rank's pieces, each
+// bucket after wait_stepped() for it (the host and the worker never wait for all). With
 // max_grad_norm the Reducer sums every rank's held_sum_squares() and hands the total to
 // end_iteration(). The layout is then fixed (no relayout).
 //
@@ -131,6 +132,10 @@ class HostOffload {
   // Sharded, worker idle: bucket b's float32 masters block (bfloat16/float16 buckets;
   // allocated if missing, so that every rank has one to gather).
   at::Tensor masters_block(size_t b);
+  // Blocks until the worker has stepped bucket `index` (its last submit) and queued the copy
+  // back; then, on a GPU, the current stream waits for that copy only (the host does not). The
+  // time blocked counts as waited (stats). An error the worker met is left for wait().
+  void wait_stepped(size_t index);
   // Blocks until the worker is idle; then, on a GPU, the current stream waits for the copies
   // back (and the host too, if `host_too`: before the host buffers are read or written).
   // Rethrows (once) an error the worker met; its later jobs were dropped.
@@ -184,6 +189,7 @@ class HostOffload {
     at::Tensor grads;            // the gradients, on the host
     EventPool::Handle copied;    // GPU: the copies to the host are done
     std::function<void()> task;  // post(): run instead of a step
+    int64_t sequence = 0;        // (a step) submit()'s count, in submission order
     bool end = false;            // marks the end of an iteration
     bool completed = true;       // (end) false: the iteration was abandoned
     std::optional<double> sum_squares;  // (end) clipping's total over every rank
@@ -263,8 +269,14 @@ class HostOffload {
   std::shared_ptr<Sync> sync_ = std::make_shared<Sync>();
   std::deque<Job> queue_;
   std::exception_ptr error_;
-  OffloadStats stats_;      // counters (the byte counts are filled in by stats())
-  std::vector<Job> held_;   // clipping: stepped once the norm is known
+  OffloadStats stats_;     // counters (the byte counts are filled in by stats())
+  std::vector<Job> held_;  // clipping: stepped once the norm is known
+  // wait_stepped(): per bucket, the sequence of its last submit (the caller's, under the
+  // Reducer's lock); the last sequence stepped and, GPU, each bucket's last copy back (mu).
+  int64_t submitted_ = 0;
+  std::vector<int64_t> last_submit_;
+  int64_t stepped_ = 0;
+  std::vector<EventPool::Handle> copied_back_;
   double sum_squares_ = 0;  // clipping: of the buckets of this iteration so far
   std::thread worker_;
 };

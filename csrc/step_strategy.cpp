@@ -129,15 +129,15 @@ void HostSteps::step(size_t index, Bucket& bucket, const std::vector<int32_t>* u
   offload_->submit(index, bucket, mask);
 }
 
-void HostSteps::end_of_backward(c10d::ProcessGroup& group,
-                                const std::function<void()>& gather_back) {
+void HostSteps::end_of_backward(c10d::ProcessGroup& group, const Gather& gather_back) {
   if (!sharded_) {
     offload_->end_iteration(/*completed=*/true);
     return;
   }
-  // Sharded: with max_grad_norm the global norm from every rank's held buckets; then the host
-  // steps (the host waits for them), and every bucket's stepped pieces gathered into the
-  // parameters, one bucket allocated at a time.
+  // Sharded: with max_grad_norm the global norm from every rank's held buckets; then each
+  // bucket's stepped pieces are gathered into the parameters as soon as its own host step is
+  // done (GPU: the gather is ordered after that step's copy back, the host waits only for the
+  // worker to have queued it), so the gathers overlap the remaining host steps.
   std::optional<double> sum_squares;
   if (offload_->clips()) {
     offload_->wait(/*host_too=*/false);  // every bucket's squares taken (its step is held)
@@ -153,9 +153,8 @@ void HostSteps::end_of_backward(c10d::ProcessGroup& group,
     sum_squares = sum.item<double>();
   }
   offload_->end_iteration(/*completed=*/true, sum_squares);
-  // The host steps and their copies into this rank's pieces (GPU: the current stream waits).
-  offload_->wait(/*host_too=*/false);
-  gather_back();
+  gather_back([this](size_t b) { offload_->wait_stepped(b); });
+  offload_->wait(/*host_too=*/false);  // (done already; rethrows an error the worker met)
   offload_->adopt_versions();
 }
 

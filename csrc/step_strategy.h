@@ -8,7 +8,8 @@
 //     stepped and the stepped shards all-gathered back into the parameters right after.
 //   * HostSteps: offload_to_cpu. Every bucket is copied to the host and stepped there by
 //     HostOffload (offload.h) on its device-to-host stream; the next forward waits. Sharded,
-//     the pieces are gathered back into the parameters at the end of backward. With
+//     the pieces are gathered back into the parameters at the end of backward, each bucket as
+//     soon as its own host step is done. With
 //     accumulate_on_host it also owns the HostAccumulator (host_accum.h) that holds no_sync()
 //     micro-batches' gradients on the host.
 // Both steps' sharded cut, gathers and clipping are ShardGather's (shard_gather.h); the NaN
@@ -62,10 +63,12 @@ class StepStrategy {
   virtual void step(size_t index, Bucket& bucket, const std::vector<int32_t>* used,
                     const c10::intrusive_ptr<c10d::ProcessGroup>& group) = 0;
   // Every bucket went through step() and the NaN check passed: what finishes the iteration.
-  // `gather_back()` gathers every rank's stepped pieces of every bucket into the parameters,
-  // one bucket allocated at a time (sharded HostSteps).
-  virtual void end_of_backward(c10d::ProcessGroup& group,
-                               const std::function<void()>& gather_back) = 0;
+  // `gather_back(stepped)` gathers every rank's stepped pieces of every bucket into the
+  // parameters, in bucket order, at most two buckets allocated, calling `stepped(b)` before
+  // bucket b's gather: it returns once b's pieces are in this rank's parameters (on a GPU, in
+  // the current stream's order) (sharded HostSteps).
+  using Gather = std::function<void(const std::function<void(size_t)>& stepped)>;
+  virtual void end_of_backward(c10d::ProcessGroup& group, const Gather& gather_back) = 0;
   // A backward abandoned (it raised, or the NaN check found a bucket): held steps are dropped.
   virtual void abandon() {}
   // The host waits for the host steps (and with `host_too` for their copies back); device
@@ -101,7 +104,7 @@ class DeviceSteps final : public StepStrategy {
   bool caller_follows() const override { return true; }
   void step(size_t index, Bucket& bucket, const std::vector<int32_t>* used,
             const c10::intrusive_ptr<c10d::ProcessGroup>& group) override;
-  void end_of_backward(c10d::ProcessGroup&, const std::function<void()>&) override {}
+  void end_of_backward(c10d::ProcessGroup&, const Gather&) override {}
   void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& buckets,
                 const std::vector<ShardLayout>& shards,
                 const std::vector<std::vector<at::Tensor>>& old_full) override;
@@ -138,8 +141,7 @@ class HostSteps final : public StepStrategy {
   bool caller_follows() const override { return false; }
   void step(size_t index, Bucket& bucket, const std::vector<int32_t>* used,
             const c10::intrusive_ptr<c10d::ProcessGroup>& group) override;
-  void end_of_backward(c10d::ProcessGroup& group,
-                       const std::function<void()>& gather_back) override;
+  void end_of_backward(c10d::ProcessGroup& group, const Gather& gather_back) override;
   void abandon() override { offload_->end_iteration(/*completed=*/false); }
   void set_grad_scaler(at::Tensor scale, at::Tensor found_inf) override;  // (refuses one)
   void wait(bool host_too) override { offload_->wait(host_too); }
