@@ -30,6 +30,7 @@ VERDICT line per target last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 import time
@@ -52,6 +53,12 @@ CONFIGS = [
     c.SHARDED_OFFLOAD,
 ]
 IN_BACKWARD = CONFIGS[2:]
+#: offload_to_cpu through one step of ACCUM micro-batches (the first dtype only), accumulating
+#: on the host (its default: target, at most ACCUM_SLACK bytes per parameter over its step
+#: without accumulation) and on the device (every bucket kept across the micro-batches)
+ACCUM = 4
+ACCUMULATED = ["leanddp + offload_to_cpu", c.DEVICE_ACCUMULATION]
+ACCUM_SLACK = 0.5
 #: fp32 AdamW, bytes per parameter: parameters + gradients + buckets + device optimizer state,
 #: from the memory model (leanddp._memory: torch's DDP 20, leanddp 16, in-backward 12, offload
 #: 4, sharded 4 + 8/N)
@@ -120,9 +127,10 @@ class Meter:
         return active_bytes("peak") if self.cuda else max(self.high, self.sample())
 
 
-def one_step(ddp, opt, tokens: torch.Tensor, meter: Meter, drop: bool = False):
-    """Forward, backward, the optimizer step if any. Each parameter's hook drops its gradient
-    (``drop``: the plain model) and samples ``meter``. Returns (sample at backward, timeline)."""
+def one_step(ddp, opt, tokens: torch.Tensor, meter: Meter, drop: bool = False, accum: int = 1):
+    """Forward, backward (``accum`` times, all but the last under no_sync()), the optimizer step
+    if any. Each parameter's hook drops its gradient (``drop``: the plain model) and samples
+    ``meter``. Returns (sample at the first backward, timeline)."""
     timeline: list[int] = []
 
     def on_grad(p: torch.Tensor) -> None:
@@ -133,10 +141,14 @@ def one_step(ddp, opt, tokens: torch.Tensor, meter: Meter, drop: bool = False):
     params = [p for p in ddp.parameters() if p.requires_grad]
     handles = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
     try:
-        loss = loss_of(ddp, tokens)
-        start = meter.sample()
-        loss.backward()
-        timeline.append(meter.sample())  # what the step holds at the end of backward
+        for i in range(accum):
+            local = ddp.no_sync() if i < accum - 1 else contextlib.nullcontext()
+            with local:
+                loss = loss_of(ddp, tokens)
+                if i == 0:
+                    start = meter.sample()
+                loss.backward()
+            timeline.append(meter.sample())  # what the step holds at the end of a backward
         if opt is not None:
             opt.step()
             meter.sample()
@@ -147,8 +159,11 @@ def one_step(ddp, opt, tokens: torch.Tensor, meter: Meter, drop: bool = False):
     return start, timeline
 
 
-def measure(name: str | None, master, args, dtype: str, tokens, plain: dict | None) -> dict:
-    """Builds configuration ``name`` (None: the plain model) on a fresh copy; measures a step."""
+def measure(
+    name: str | None, master, args, dtype: str, tokens, plain: dict | None, accum: int = 1
+) -> dict:
+    """Builds configuration ``name`` (None: the plain model) on a fresh copy; measures a step
+    of ``accum`` micro-batches."""
     device = args.device
     c.free(device)
     base0 = active_bytes("current") if device.type == "cuda" else 0
@@ -162,15 +177,15 @@ def measure(name: str | None, master, args, dtype: str, tokens, plain: dict | No
         device, lambda: accounted(name or "plain", None if name is None else ddp, opt, params)
     )
     for _ in range(args.warmup):
-        one_step(ddp, opt, tokens, meter, drop=name is None)
+        one_step(ddp, opt, tokens, meter, drop=name is None, accum=accum)
     if offload:
         ddp.synchronize()
     meter.reset_peak()
-    start, timeline = one_step(ddp, opt, tokens, meter, drop=name is None)
+    start, timeline = one_step(ddp, opt, tokens, meter, drop=name is None, accum=accum)
     if offload:
         ddp.synchronize()  # the host step's copies back belong to this step
     numel, param_bytes = sum(p.numel() for p in params), c.storages_bytes(params)
-    out = {"config": name or "plain model", "dtype": dtype, "numel": numel}
+    out = {"config": name or "plain model", "dtype": dtype, "numel": numel, "accum": accum}
     out["world_size"] = dist.get_world_size()
     out.update(param_bytes=param_bytes, peak_bytes=meter.peak() - base0, start_bytes=start - base0)
     out["timeline"] = [s - base0 for s in timeline]
@@ -192,7 +207,11 @@ def measure(name: str | None, master, args, dtype: str, tokens, plain: dict | No
         model, bucket_cap_mb=args.bucket_cap_mb, first_layout=mode.keeps_first_layout
     )
     out["planned_bytes"] = _memory.estimate(
-        mode, shape, world_size=out["world_size"], device_ordered=device.type == "cuda"
+        mode,
+        shape,
+        world_size=out["world_size"],
+        accumulation=accum,
+        device_ordered=device.type == "cuda",
     ).device
     out["allowance_per_param"] = BUCKETS_IN_FLIGHT * largest / numel
     raw = [s - out["start_bytes"] for s in out["timeline"]]
@@ -236,6 +255,23 @@ def verdicts(results: list[dict], smoke: bool) -> list[dict]:
     return out
 
 
+def accumulated_verdicts(results: list[dict], accumulated: list[dict], smoke: bool) -> list[dict]:
+    """offload_to_cpu accumulating on the host: its step of ACCUM micro-batches holds at most
+    ACCUM_SLACK bytes per parameter more than its step without accumulation."""
+    out = []
+    for r in accumulated:
+        if r["config"] != ACCUMULATED[0]:
+            continue
+        one = next(o for o in results if (o["config"], o["dtype"]) == (r["config"], r["dtype"]))
+        gap = r["bytes_per_param"] - one["bytes_per_param"]
+        subject = (
+            f"{r['dtype']} bytes/param {r['config']} accumulation {r['accum']} "
+            f"{r['bytes_per_param']:.2f} vs {one['bytes_per_param']:.2f} without ({gap:+.2f})"
+        )
+        out.append(c.verdict(subject, f"target ≤ +{ACCUM_SLACK:g}", gap <= ACCUM_SLACK, smoke))
+    return out
+
+
 def markdown(report: dict) -> str:
     """The table of every (dtype, configuration)."""
     unit = "GPU: the allocator's active bytes" if not report["smoke"] else "CPU: bytes by account"
@@ -250,11 +286,12 @@ def markdown(report: dict) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     mib = 2.0**20
-    for r in report["results"]:
+    for r in [*report["results"], *report.get("accumulated", [])]:
         a = report["baseline"][r["dtype"]]["activation_bytes"]
         pb = r.get("peak_bucket_bytes")
+        name = r["config"] + (f", accumulation {r['accum']}" if r["accum"] > 1 else "")
         lines.append(
-            f"| {r['dtype']} | {r['config']} | {r['peak_bytes'] / mib:.1f} | {a / mib:.1f} "
+            f"| {r['dtype']} | {name} | {r['peak_bytes'] / mib:.1f} | {a / mib:.1f} "
             f"| {r['bytes_per_param'] * r['numel'] / mib:.1f} | {r['planned_bytes'] / mib:.1f} "
             f"| {r['bytes_per_param']:.2f} | {r['allowance_per_param']:.2f} "
             f"| {r['largest_bucket_bytes'] / mib:.1f} | {'—' if pb is None else f'{pb / mib:.1f}'} "
@@ -342,6 +379,16 @@ def main(argv: list[str]) -> int:
                 f"{r['bytes_per_param']:.2f} B/param, gradients in backward "
                 f"{r['peak_grad_buckets']:.2f} buckets ({time.perf_counter() - t:.1f} s)"
             )
+    accumulated = []
+    for name in ACCUMULATED:
+        dtype = args.dtypes[0]
+        t = time.perf_counter()
+        r = measure(name, master, args, dtype, tokens, baseline[dtype], accum=ACCUM)
+        accumulated.append(r)
+        log(
+            f"{dtype} {name}, accumulation {ACCUM}: peak {r['peak_bytes'] / 2**20:.1f} MiB, "
+            f"{r['bytes_per_param']:.2f} B/param ({time.perf_counter() - t:.1f} s)"
+        )
     c.free(args.device)
     dist.destroy_process_group()
     report = c.report(
@@ -351,7 +398,9 @@ def main(argv: list[str]) -> int:
         numel=results[0]["numel"],
         baseline=baseline,
         results=results,
-        verdicts=verdicts(results, args.smoke),
+        accumulated=accumulated,
+        verdicts=verdicts(results, args.smoke)
+        + accumulated_verdicts(results, accumulated, args.smoke),
     )
     path = c.write_json(args.out, NAME, report)
     plot(report, args.out / f"{NAME}.png")

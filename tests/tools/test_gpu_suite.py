@@ -148,6 +148,15 @@ def test_memory_timeline_json(smoke_dir: Path) -> None:
     assert report["verdicts"] and all(
         "(cpu smoke: not a target)" in v["line"] for v in report["verdicts"]
     )
+    # offload_to_cpu through a step of 4 micro-batches: accumulating on the host it holds what
+    # its step without accumulation holds; on the device every bucket stays (4 B per parameter)
+    host, device = report["accumulated"]
+    assert (host["config"], device["config"]) == ("leanddp + offload_to_cpu", DEVICE_ACCUMULATION)
+    assert host["accum"] == device["accum"] == 4
+    one = by_name["leanddp + offload_to_cpu"]["bytes_per_param"]
+    assert host["bytes_per_param"] <= one + 0.5
+    assert device["bytes_per_param"] >= one + 2
+    assert any("accumulation 4" in v["line"] for v in report["verdicts"])
     png = (smoke_dir / "memory_timeline.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
 
