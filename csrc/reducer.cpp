@@ -540,22 +540,8 @@ void Reducer::finalize() {
       if (steps_->caller_follows() || nan_.armed()) follow_side_stream();
       nan_.read_flags(buckets_, fused_optimizer());  // (device check: after the wait)
       if (nan_.found()) raise_nonfinite(used);
-      steps_->end_of_backward(*process_group_, [this](const auto& stepped) {
-        // Bucket b's gather is in flight while bucket b + 1's step is waited for.
-        for (size_t b = 0; b < buckets_.size(); ++b) {
-          stepped(b);
-          ensure_allocated(b);
-          shard_.start(process_group_, buckets_[b], b);
-          if (b > 0) {
-            shard_.finish(buckets_[b - 1], b - 1);
-            release(b - 1);
-          }
-        }
-        if (!buckets_.empty()) {
-          shard_.finish(buckets_.back(), buckets_.size() - 1);
-          release(buckets_.size() - 1);
-        }
-      });
+      steps_->end_of_backward(*process_group_,
+                              [this](const auto& stepped) { gather_back(stepped); });
     } else {
       for (size_t b : unstepped) collect_reduced(b);
       if (nan_.enabled()) nan_.check(buckets_, unstepped);

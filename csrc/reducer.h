@@ -424,12 +424,14 @@ class Reducer {
   void check_before_first_backward(const char* what) const;
   void check_open(const char* what) const;  // raises once closed
   void release(size_t bucket_index);
-  // shard_optimizer_state (shard_gather.h): gather_weights() gathers every rank's stepped
-  // shard of bucket `index` into its parameters (on a GPU the current stream waits, on the CPU
-  // the host); finish_gathers() finishes the gathers a CPU backward deferred and releases their
-  // buckets (at the next bucket's step or the end of backward, so that each gather overlaps
-  // the backward computation in between).
-  void gather_weights(size_t index);
+  // shard_optimizer_state (shard_gather.h): gather_back() gathers every rank's stepped pieces
+  // of every bucket into the parameters, in bucket order, calling `stepped(b)` before bucket
+  // b's gather (HostSteps: its host step is done); b's gather is in flight while b + 1's step
+  // is waited for, so at most two buckets are allocated (on a GPU the current stream waits for
+  // the gathers, on the CPU the host). finish_gathers() finishes the gathers a CPU backward
+  // deferred and releases their buckets (at the next bucket's step or the end of backward, so
+  // that each gather overlaps the backward computation in between).
+  void gather_back(const std::function<void(size_t)>& stepped);
   void finish_gathers();
   // shard_optimizer_state: the fused optimizer's state buffers of bucket `index` of `buckets`
   // (cut by `shards`) gathered whole, padded (a collective).

@@ -11,9 +11,18 @@
 
 namespace leanddp {
 
-void Reducer::gather_weights(size_t index) {
-  shard_.start(process_group_, buckets_[index], index);
-  shard_.finish(buckets_[index], index);
+void Reducer::gather_back(const std::function<void(size_t)>& stepped) {
+  const auto finish = [this](size_t b) {
+    shard_.finish(buckets_[b], b);
+    release(b);
+  };
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    stepped(b);
+    ensure_allocated(b);
+    shard_.start(process_group_, buckets_[b], b);
+    if (b > 0) finish(b - 1);  // (in flight while bucket b's step was waited for)
+  }
+  if (!buckets_.empty()) finish(buckets_.size() - 1);
 }
 
 void Reducer::finish_gathers() {
