@@ -213,8 +213,8 @@ def estimate(
         out["gradients"] = transient = TRANSIENT_BUCKETS * largest
     # buckets released inside backward, unless accumulation on the device (or clipping before
     # the sharded device step, which needs the global norm) keeps them all until the end of
-    # backward; offload_to_cpu accumulates on the host, where the synchronized micro-batch
-    # allocates a bucket at its first gradient to fetch its sum: one bucket more
+    # backward; offload_to_cpu accumulates on the host (accumulate_on_host), where a summed
+    # bucket is allocated at its launch as any other
     on_host = mode.offload and mode.on_host and accumulation > 1
     releases = (
         mode.in_backward
@@ -222,8 +222,7 @@ def estimate(
         and not (clip and mode.shard and not mode.offload)
     )
     if releases:
-        window = in_flight_buckets(mode, device_ordered) + (1 if on_host else 0)
-        out["buckets"] = min(held, window * largest)
+        out["buckets"] = min(held, in_flight_buckets(mode, device_ordered) * largest)
         transient += out["buckets"]
     else:
         out["buckets"] = held

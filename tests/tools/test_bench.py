@@ -97,9 +97,14 @@ def test_bench_runs_every_configuration_with_accumulation(tmp_path: Path) -> Non
     assert off["memory"]["optimizer_device"] == 0
     assert off["memory"]["host"] >= 3 * params  # moments + masters (+ staging)
     assert off["host_step"]["buckets"] > 0
-    # offload_to_cpu with shard_optimizer_state: each host holds half (2 ranks), within padding
+    # offload_to_cpu with shard_optimizer_state: each host holds half (2 ranks), within padding,
+    # of the state, masters and staging; the sums of the no_sync() micro-batches are whole (one
+    # per bucket at accumulation 2: a bucket is cut into shards only when reduced)
     half = runs[SHARDED_OFFLOAD]["memory"]
-    assert abs(half["host"] - off["memory"]["host"] / 2) <= 16 * 64 * 3, half["host"]
+    summed = off["memory"]["host_accumulation"]
+    assert half["host_accumulation"] == summed == params, (summed, params)
+    kept = half["host"] - summed
+    assert abs(kept - (off["memory"]["host"] - summed) / 2) <= 16 * 64 * 3, half["host"]
     assert half["optimizer_device"] == 0
     # shard_optimizer_state: this rank keeps 1/N of the unsharded AdamW state (rank 0's shard
     # holds no padding: at least the N-th part, at most a few 16-byte units above it); the
@@ -152,8 +157,32 @@ def test_bench_runs_every_configuration_with_accumulation(tmp_path: Path) -> Non
     assert device_bytes_per_param(runs["leanddp + offload_to_cpu"], report["params"]) < 10
     assert (out / "bench.png").stat().st_size > 10_000
     assert_planned(report)
-    assert "[2/8] leanddp, accumulation 2, world size 2" in done.stderr  # progress
-    assert f"[8/8] {SHARDED}, accumulation 2, world size 3" in done.stderr
+    assert "[2/9] leanddp, accumulation 2, world size 2" in done.stderr  # progress
+    assert f"[9/9] {SHARDED}, accumulation 2, world size 3" in done.stderr
+
+
+def test_offload_accumulating_on_the_host_holds_what_it_holds_without(tmp_path: Path) -> None:
+    """offload_to_cpu at accumulation 1 and 4: the accumulated step holds no more on the device
+    (the bench's line says the target is met), the sums are on the host, and the line gives the
+    PCIe bytes per micro-batch of the memory model."""
+    done = bench(
+        "--steps", "1", "--warmup", "1", "--accum", "1", "4", "--out", str(tmp_path),
+        "--configs", OFFLOAD, "--world-sizes", "2",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    one, four = report["runs"]
+    params = report["params"]
+    assert (one["accum"], four["accum"]) == (1, 4)
+    gap = device_bytes_per_param(four, params) - device_bytes_per_param(one, params)
+    assert gap <= 0.5, gap
+    assert four["memory"]["host_accumulation"] == 2 * 4 * params  # the sums and incoming
+    line = next(x for x in done.stdout.splitlines() if x.startswith("- accumulation 4, "))
+    assert "accumulate_on_host, target ≤ +0.5: met" in line, line
+    mib = 4 * params / 2**20
+    assert f"PCIe per no_sync() micro-batch {mib:.1f} MiB to the host" in line, line
+    assert f"per synchronized micro-batch {mib:.1f} MiB to the host and {2 * mib:.1f}" in line
+    assert_planned(report)
 
 
 def test_bench_without_accumulation_frees_gradients_in_backward(tmp_path: Path) -> None:
