@@ -44,7 +44,9 @@ def lines(report: dict, runs: list[dict]) -> list[str]:
         delta = _per_param(r, params) - _per_param(base, params)
         line = (
             f"- accumulation {r['accum']}, {r['config']}: {delta:+.2f} bytes per parameter on "
-            f"the device against accumulation 1"
+            f"the device against accumulation 1 (buckets {r['memory']['buckets'] / 2**20:.2f} "
+            f"MiB against {base['memory']['buckets'] / 2**20:.2f}: a bucket more or less in "
+            "flight is the reductions' timing)"
         )
         summed = r["memory"].get("host_accumulation", 0)
         if summed:
