@@ -96,16 +96,17 @@ int64_t HostAccumulator::held() const {
   return static_cast<int64_t>(std::count(held_.begin(), held_.end(), 1));
 }
 
-int64_t HostAccumulator::host_bytes() const {
+int64_t HostAccumulator::bytes(bool pinned_only) const {
   int64_t bytes = 0;
   for (const HostBuffers& host : host_) {
     for (const at::Tensor* t : {&host.sum, &host.incoming}) {
-      if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+      // (pinned on a GPU only: not under host ordering, as HostOffload's staging buffers)
+      if (t->defined() && (!pinned_only || t->is_pinned())) {
+        bytes += static_cast<int64_t>(t->nbytes());
+      }
     }
   }
   return bytes;
 }
-
-int64_t HostAccumulator::pinned_bytes() const { return on_gpu_ ? host_bytes() : 0; }
 
 }  // namespace leanddp

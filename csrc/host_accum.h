@@ -69,14 +69,15 @@ class HostAccumulator {
   // Buckets holding a sum.
   int64_t held() const;
   // Host bytes of the sums and incoming buffers, and of those the pinned ones.
-  int64_t host_bytes() const;
-  int64_t pinned_bytes() const;
+  int64_t host_bytes() const { return bytes(/*pinned_only=*/false); }
+  int64_t pinned_bytes() const { return bytes(/*pinned_only=*/true); }
 
  private:
   struct HostBuffers {
     at::Tensor sum;
     at::Tensor incoming;
   };
+  int64_t bytes(bool pinned_only) const;
   // Waits for the worker only if bucket `index`'s last addition is not done.
   void wait_added(size_t index);
 

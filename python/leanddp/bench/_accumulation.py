@@ -4,6 +4,8 @@ micro-batch (the memory model's, leanddp._memory.pcie_bytes)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from leanddp import _memory
 
 #: accumulate_on_host's target: with accumulation, at most this many more bytes per parameter on
@@ -16,12 +18,6 @@ OFFLOAD = "leanddp + offload_to_cpu"
 ELEMENT_SIZE = {"fp32": 4, "bf16": 2}
 
 
-def _per_param(run: dict, params: int) -> float:
-    """Bytes per parameter on the device (_report.device_bytes_per_param's sum)."""
-    m = run["memory"]
-    return (m["parameters"] + m["gradients"] + m["buckets"] + m["optimizer_device"]) / params
-
-
 def _without(run: dict, runs: list[dict]) -> dict | None:
     """The run of the same configuration (offload_to_cpu's, for its device-accumulating twin)
     without accumulation, at the same world size."""
@@ -32,8 +28,9 @@ def _without(run: dict, runs: list[dict]) -> dict | None:
     return None
 
 
-def lines(report: dict, runs: list[dict]) -> list[str]:
-    """One line per run with accumulation that has a counterpart without."""
+def lines(report: dict, runs: list[dict], per_param: Callable[[dict, int], float]) -> list[str]:
+    """One line per run with accumulation that has a counterpart without; ``per_param``: a
+    run's bytes per parameter on the device (_report.device_bytes_per_param)."""
     params = report["params"]
     size = ELEMENT_SIZE.get(report["args"]["dtype"], 4)
     out = []
@@ -41,7 +38,7 @@ def lines(report: dict, runs: list[dict]) -> list[str]:
         base = _without(r, runs) if r["accum"] > 1 else None
         if base is None:
             continue
-        delta = _per_param(r, params) - _per_param(base, params)
+        delta = per_param(r, params) - per_param(base, params)
         line = (
             f"- accumulation {r['accum']}, {r['config']}: {delta:+.2f} bytes per parameter on "
             f"the device against accumulation 1 (buckets {r['memory']['buckets'] / 2**20:.2f} "

@@ -289,7 +289,7 @@ def table(report: dict) -> tuple[str, bool]:
     world = main_world(runs)
     main = [r for r in runs if r["world_size"] == world]
     lines = main_table(report, main)
-    accumulation = _accumulation.lines(report, main)
+    accumulation = _accumulation.lines(report, main, device_bytes_per_param)
     if accumulation:
         lines += ["", *accumulation]
     agreement, agree = losses_agree(runs)
