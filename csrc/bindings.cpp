@@ -297,6 +297,11 @@ void bind_reducer(py::module_& m) {
           py::arg("setup"))
       .def("wait_for_steps", &Reducer::wait_for_steps, py::arg("host_too") = false,
            py::call_guard<py::gil_scoped_release>())
+      .def("pending_steps", &Reducer::pending_steps, py::call_guard<py::gil_scoped_release>())
+      .def("wait_for_bucket", &Reducer::wait_for_bucket, py::arg("index"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("_delay_host_steps", &Reducer::delay_host_steps, py::arg("seconds"),
+           py::call_guard<py::gil_scoped_release>())
       .def("discard_host_gradients", &Reducer::discard_host_gradients,
            py::call_guard<py::gil_scoped_release>())
       .def("close",

@@ -125,11 +125,15 @@ FusedOptimizer::FusedOptimizer(OptimKind kind, std::vector<at::Tensor> params,
 }
 
 void FusedOptimizer::set_groups(std::vector<OptimHyper> groups) {
+  check_groups(groups);
+  groups_ = std::move(groups);
+}
+
+void FusedOptimizer::check_groups(const std::vector<OptimHyper>& groups) const {
   for (int64_t g : group_of_) {
     TORCH_CHECK(g >= 0 && static_cast<size_t>(g) < groups.size(),
                 "FusedOptimizer: parameter group ", g, " has no hyper-parameters");
   }
-  groups_ = std::move(groups);
 }
 
 size_t FusedOptimizer::num_buffers(int64_t group) const {

@@ -129,6 +129,9 @@ class FusedOptimizer {
 
   // Replaces the hyper-parameters (one per group), read by the next steps.
   void set_groups(std::vector<OptimHyper> groups);
+  // Raises unless `groups` has the hyper-parameters of every parameter's group (set_groups'
+  // check, for a caller that sets them later).
+  void check_groups(const std::vector<OptimHyper>& groups) const;
   // Whether the kernels can step parameter p (StateSpec::stepped, fixed at construction).
   bool can_step(size_t p) const { return stepped_[p] != 0; }
   // Whether Adam's step counts live on parameter p's device (so the kernels can read them).

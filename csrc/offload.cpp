@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <iterator>
 #include <utility>
 
 #ifdef _OPENMP
@@ -111,6 +112,7 @@ void HostOffload::set_layout(const std::vector<Bucket>& buckets, std::vector<Sha
   last_submit_.assign(layout_.size(), 0);
   {
     std::lock_guard<std::mutex> lock(sync_->mu);
+    stepped_.assign(layout_.size(), 0);
     copied_back_.clear();
     copied_back_.resize(layout_.size());
   }
@@ -178,9 +180,44 @@ void HostOffload::end_iteration(bool completed, std::optional<double> sum_square
     marker.end = true;
     marker.completed = completed;
     marker.sum_squares = sum_squares;
+    if (options_.last_bucket_first) {
+      // The steps queued last and not started (no task, no marker among them): highest first.
+      auto first = queue_.end();
+      while (first != queue_.begin() && !std::prev(first)->task && !std::prev(first)->end) --first;
+      std::stable_sort(first, queue_.end(),
+                       [](const Job& a, const Job& b) { return a.index > b.index; });
+    }
     queue_.push_back(std::move(marker));
   }
   sync_->cv.notify_all();
+}
+
+std::vector<int64_t> HostOffload::pending() const {
+  std::vector<int64_t> out;
+  std::lock_guard<std::mutex> lock(sync_->mu);
+  // (idle: what was not stepped was dropped, by an abandoned iteration or an error)
+  if (error_ || sync_->stop || (queue_.empty() && !sync_->busy)) return out;
+  for (size_t b = 0; b < last_submit_.size(); ++b) {
+    if (stepped_[b] < last_submit_[b]) out.push_back(static_cast<int64_t>(b));
+  }
+  return out;
+}
+
+void HostOffload::set_groups(std::vector<OptimHyper> groups) {
+  optimizer_->check_groups(groups);
+  {
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    if (!sync_->stop && (!queue_.empty() || sync_->busy)) {
+      Job job;
+      job.task = [this, groups = std::move(groups)]() mutable {
+        optimizer_->set_groups(std::move(groups));
+      };
+      queue_.push_back(std::move(job));
+      sync_->cv.notify_all();
+      return;
+    }
+  }
+  optimizer_->set_groups(std::move(groups));  // (the worker is idle, and only we queue jobs)
 }
 
 void HostOffload::drain() {
@@ -193,7 +230,7 @@ void HostOffload::wait_stepped(size_t index) {
   std::unique_lock<std::mutex> lock(sync_->mu);
   // (a failed or stopped worker dropped its jobs: the queue is empty then)
   sync_->cv.wait(lock, [&] {
-    return stepped_ >= last_submit_[index] || error_ || sync_->stop ||
+    return stepped_[index] >= last_submit_[index] || error_ || sync_->stop ||
            (queue_.empty() && !sync_->busy);
   });
   stats_.wait_seconds += seconds_since(start);
@@ -321,13 +358,22 @@ void HostOffload::finish_iteration(bool completed, std::optional<double> total) 
     grad_norm = std::sqrt(total.value_or(sum_squares));
     coef = clip_coefficient(grad_norm, *options_.max_grad_norm);
   }
-  for (const Job& job : held) step_job(job, coef);
+  std::vector<const Job*> order;
+  for (const Job& job : held) order.push_back(&job);
+  if (options_.last_bucket_first) {
+    std::stable_sort(order.begin(), order.end(),
+                     [](const Job* a, const Job* b) { return a->index > b->index; });
+  }
+  for (const Job* job : order) step_job(*job, coef);
   std::lock_guard<std::mutex> lock(sync_->mu);
   ++stats_.iterations;
   stats_.grad_norm = grad_norm;
 }
 
 void HostOffload::step_job(const Job& job, std::optional<double> grad_scale) {
+  if (const double delay = step_delay_; delay > 0) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(delay));
+  }
   const Bucket& layout = job.layout;
   const at::Tensor& weights = ensure_weights(job.index);
   for (size_t s = 0; s < layout.params.size(); ++s) {
@@ -353,7 +399,7 @@ void HostOffload::step_job(const Job& job, std::optional<double> grad_scale) {
   {
     std::lock_guard<std::mutex> lock(sync_->mu);
     ++stats_.buckets;
-    stepped_ = job.sequence;  // (jobs are stepped in submission order)
+    stepped_[job.index] = job.sequence;
     if (on_gpu_) copied_back_[job.index] = events_->record(*h2d_stream_);
   }
   sync_->cv.notify_all();  // (wait_stepped: also within an iteration's held steps)

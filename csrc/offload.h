@@ -37,10 +37,12 @@
 // max_grad_norm the Reducer sums every rank's held_sum_squares() and hands the total to
 // end_iteration(). The layout is then fixed (no relayout).
 //
-// wait() is where the next forward (or anything reading parameters or state) waits: for the
-// worker to finish, then (GPU) the current stream waits for the host-to-device stream: the host
-// step overlaps the rest of backward and whatever the loop does between steps. On a CPU-only
-// machine the same pipeline runs, with synchronous copies.
+// The next forward waits for each bucket as it reads it (pending(), wait_stepped(); see
+// python/leanddp/_waits.py), the first layers' buckets stepped first (last_bucket_first); wait()
+// is where everything else reading parameters or state waits: for the worker to finish, then
+// (GPU) the current stream waits for the host-to-device stream: the host step overlaps the rest
+// of backward, whatever the loop does between steps, and the next forward. On a CPU-only machine
+// the same pipeline runs, with synchronous copies.
 //
 // Threading: submit(), end_iteration() and the accessors run on the Reducer's threads with the
 // Reducer's lock held; the worker never takes that lock. `sync_->mu` guards the queue and the
@@ -74,6 +76,11 @@ namespace leanddp {
 struct OffloadOptions {
   int threads = 1;                      // threads of the host step (the worker's OpenMP team)
   std::optional<double> max_grad_norm;  // exact global-norm clipping (torch's clip_grad_norm_)
+  // At the end of an iteration, the steps not started yet run from the highest bucket index to
+  // the lowest: buckets are cut in the order gradients become ready, the reverse of the order
+  // the next forward reads them, so the forward's first reads are stepped first. (Sharded: off,
+  // the Reducer gathers the buckets in index order.)
+  bool last_bucket_first = false;
 };
 
 // What the host side has done and holds (counters since construction).
@@ -136,6 +143,14 @@ class HostOffload {
   // back; then, on a GPU, the current stream waits for that copy only (the host does not). The
   // time blocked counts as waited (stats). An error the worker met is left for wait().
   void wait_stepped(size_t index);
+  // The buckets submitted and not stepped yet (wait_stepped() would block for them), in index
+  // order; none while the worker is idle (a job dropped by an abandoned iteration or an error is
+  // not pending), has met an error (wait() raises it) or was stopped.
+  std::vector<int64_t> pending() const;
+  // Replaces the optimizer's hyper-parameters for the steps submitted from now on: checked here,
+  // set by the worker after the steps queued before (at once if it is idle), so that the caller
+  // never waits for the worker (an LR scheduler's step between iterations).
+  void set_groups(std::vector<OptimHyper> groups);
   // Blocks until the worker is idle; then, on a GPU, the current stream waits for the copies
   // back (and the host too, if `host_too`: before the host buffers are read or written).
   // Rethrows (once) an error the worker met; its later jobs were dropped.
@@ -161,6 +176,8 @@ class HostOffload {
   void drain();
   // From now on (before the first submit) steps wait for end_iteration(), as with clipping.
   void hold_steps() { hold_ = true; }
+  // Tests: the worker sleeps `seconds` before each step from now on (0: not).
+  void delay_steps(double seconds) { step_delay_ = seconds; }
 
   // Worker idle (after wait(true)) for the rest.
   FusedOptimizer& optimizer() { return *optimizer_; }
@@ -242,7 +259,8 @@ class HostOffload {
   std::unique_ptr<FusedOptimizer> optimizer_;
   OffloadOptions options_;
   bool on_gpu_ = false;
-  bool hold_ = false;  // steps wait for end_iteration() (hold_steps())
+  bool hold_ = false;                  // steps wait for end_iteration() (hold_steps())
+  std::atomic<double> step_delay_{0};  // delay_steps()
   // GPU only: one stream each way, and the events that mark the copies to the host.
   std::optional<c10::Stream> d2h_stream_;
   std::optional<c10::Stream> h2d_stream_;
@@ -272,10 +290,11 @@ class HostOffload {
   OffloadStats stats_;     // counters (the byte counts are filled in by stats())
   std::vector<Job> held_;  // clipping: stepped once the norm is known
   // wait_stepped(): per bucket, the sequence of its last submit (the caller's, under the
-  // Reducer's lock); the last sequence stepped and, GPU, each bucket's last copy back (mu).
+  // Reducer's lock); per bucket the last sequence stepped and, GPU, its last copy back (mu).
+  // (Per bucket: last_bucket_first steps the jobs out of submission order.)
   int64_t submitted_ = 0;
   std::vector<int64_t> last_submit_;
-  int64_t stepped_ = 0;
+  std::vector<int64_t> stepped_;
   std::vector<EventPool::Handle> copied_back_;
   double sum_squares_ = 0;  // clipping: of the buckets of this iteration so far
   std::thread worker_;

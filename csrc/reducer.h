@@ -30,7 +30,8 @@
 // bucket may be allocated than the window holds.
 // With offload_to_cpu (set_optimizer with a HostOffload) the step is handed to HostOffload
 // instead: on a GPU its device-to-host stream takes the side stream's place; the bucket is copied
-// to the host and released, and the next forward waits for the host steps (wait_for_steps).
+// to the host and released, and the next forward waits for each bucket's host step as it reads
+// the bucket's parameters (pending_steps, wait_for_bucket; wait_for_steps for the rest).
 // With accumulate_on_host (offload_to_cpu) a no_sync() backward hands each bucket, once its
 // gradients are complete, to the HostAccumulator (host_accum.h) and releases it; the next
 // synchronized backward adds each bucket's host sum at its launch, before the reduction
@@ -235,6 +236,17 @@ class Reducer {
   // not wait), and the host waits for its host steps (offload_to_cpu) and rethrows an error met
   // there. `host_too`: the host waits for the copies back as well (not only the current stream).
   void wait_for_steps(bool host_too);
+  // offload_to_cpu: the buckets whose host steps are not done yet (the worker's, not the
+  // device's); empty otherwise, once the worker met an error (wait_for_steps raises it), and
+  // where the next forward waits for the worker anyway (it rebuilds the buckets, or winds up
+  // a backward that raised).
+  std::vector<int64_t> pending_steps() const;
+  // The host waits for bucket `index`'s host step (only), then on a GPU the current stream
+  // waits for its copy back; a no-op without offload_to_cpu. The next forward calls it for each
+  // pending bucket as it reads the bucket's parameters.
+  void wait_for_bucket(int64_t index);
+  // Tests: the host worker sleeps `seconds` before each host step from now on (0: not).
+  void delay_host_steps(double seconds);
   // accumulate_on_host: drops the no_sync() micro-batches' gradients summed on the host
   // (zero_grad() during an accumulation); a no-op otherwise.
   void discard_host_gradients();
@@ -264,7 +276,9 @@ class Reducer {
   // local_optimizer_state handed out (torch.distributed.checkpoint): they, not the parameters'
   // rounded values, are what the next steps start from.
   void adopt_master_weights();
-  // The fused optimizer's live hyper-parameters, one per group (called at each forward).
+  // The fused optimizer's live hyper-parameters, one per group (called at each forward): for
+  // the steps after the last backward's (with offload_to_cpu set by the worker after those, so
+  // the caller does not wait for it).
   void set_optimizer_groups(std::vector<OptimHyper> groups);
   // torch.amp.GradScaler for the next backward's steps (called at each forward; undefined
   // tensors: none): `scale` is the scaler's scale, `found_inf` a zeroed float32 scalar. Each

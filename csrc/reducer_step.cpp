@@ -110,6 +110,7 @@ void Reducer::set_optimizer(OptimizerSpec spec) {
     OffloadOptions host;
     host.threads = options_.offload_threads;
     host.max_grad_norm = options_.max_grad_norm;
+    host.last_bucket_first = !options_.shard_optimizer_state;  // (sharded: gathered in order)
     auto offload = std::make_unique<HostOffload>(params_, std::move(fused), host);
     offload->set_layout(buckets_, shard_.shards());
     // The NaN check runs before the host steps: they wait for the end of backward.
@@ -129,6 +130,31 @@ void Reducer::set_optimizer(OptimizerSpec spec) {
 void Reducer::wait_for_steps(bool host_too) {
   std::lock_guard<std::mutex> lock(mu_);
   wait_idle(host_too);
+}
+
+std::vector<int64_t> Reducer::pending_steps() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  HostOffload* host = host_offload();
+  // A forward that winds up an unfinished backward or rebuilds the buckets waits for the
+  // worker there anyway (prepare_for_forward, rebuild_buckets): nothing to wait for per bucket.
+  if (!host || armed_ || (should_rebuild() && !ready_order_.empty())) return {};
+  return host->pending();
+}
+
+void Reducer::wait_for_bucket(int64_t index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HostOffload* host = host_offload();
+  if (!host) return;
+  TORCH_CHECK(index >= 0 && static_cast<size_t>(index) < buckets_.size(), "Reducer: no bucket ",
+              index);
+  host->wait_stepped(static_cast<size_t>(index));
+}
+
+void Reducer::delay_host_steps(double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HostOffload* host = host_offload();
+  TORCH_CHECK(host, "Reducer::delay_host_steps: only with offload_to_cpu");
+  host->delay_steps(seconds);
 }
 
 OffloadStats Reducer::offload_stats() const {
@@ -167,6 +193,8 @@ void Reducer::adopt_master_weights() {
 
 void Reducer::set_optimizer_groups(std::vector<OptimHyper> groups) {
   std::lock_guard<std::mutex> lock(mu_);
+  // Host steps: set by the worker after the steps queued (the next forward does not wait).
+  if (HostOffload* host = host_offload()) return host->set_groups(std::move(groups));
   // Host numbers only (kernels take them by value when queued): no device ordering needed.
   wait_idle(/*host_too=*/false, /*order_device=*/false);
   if (FusedOptimizer* fused = fused_optimizer()) fused->set_groups(std::move(groups));
