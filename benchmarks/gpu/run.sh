@@ -15,7 +15,8 @@
 #   the tests part: pytest with the GPU visible, over the cases that need one (-k "cuda or gpu":
 #           their CPU cases run in CI) of tests/ops/test_flatten.py tests/ops/test_optim_ops.py
 #           tests/ops/test_cuda_ops.py tests/ops/test_layout_ops.py tests/offload/test_offload.py
-#           tests/offload/test_host_accumulation.py tests/in_backward/test_in_backward_lowp.py
+#           tests/offload/test_host_accumulation.py tests/offload/test_forward_waits.py
+#           tests/in_backward/test_in_backward_lowp.py
 #           tests/device/test_cuda_ddp.py; then
 #           compute-sanitizer memcheck, racecheck and synccheck, each over the op tests' CUDA
 #           cases (-k cuda) and test_cuda_ddp.py's in_backward parity cases; a run fails on
@@ -74,7 +75,8 @@ DDP_TESTS=tests/device/test_cuda_ddp.py
 # run in CI; tests/tools/test_gpu_suite.py runs these arguments there, where each must skip cleanly)
 GPU_CASES="cuda or gpu"
 PYTEST_ARGS=(-k "$GPU_CASES" "${OPS_TESTS[@]}" tests/offload/test_offload.py
-  tests/offload/test_host_accumulation.py tests/in_backward/test_in_backward_lowp.py "$DDP_TESTS")
+  tests/offload/test_host_accumulation.py tests/offload/test_forward_waits.py
+  tests/in_backward/test_in_backward_lowp.py "$DDP_TESTS")
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 bad_usage() {

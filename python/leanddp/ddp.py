@@ -252,7 +252,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.logger.attach(self.reducer, self._params)
         if self._in_backward is not None:
             self._in_backward.attach(self.reducer)
-            _waits.install_waits(self.module, self._params, self.reducer)
+            if getattr(self, "_waits", None) is not None:
+                self._waits.remove()
+            self._waits = _waits.Waits(self.module, self._params, self.reducer)
         for hook, state in self._comm_hooks:
             self._attach_comm_hook(hook, state)
 
@@ -263,21 +265,29 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         """Runs the module; arms the Reducer unless inside :meth:`no_sync` or without grad."""
         with torch.autograd.profiler.record_function("leanddp.DistributedDataParallel.forward"):
             grad_enabled = torch.is_grad_enabled()
-            self._before_module(grad_enabled)
+            waits = self._before_module(grad_enabled, torch.compiler.is_compiling())
             if self.device_ids:
                 inputs, kwargs = _move_to(inputs, kwargs, self.device)
-            output = self.module(*inputs, **kwargs)
-            self._after_module(grad_enabled, output)
+            if waits is None:
+                output = self.module(*inputs, **kwargs)
+            else:  # offload_to_cpu: each bucket's host step is waited for where it is read
+                with waits:
+                    output = self.module(*inputs, **kwargs)
+            self._after_module(grad_enabled, output, waits is not None)
             return output
 
     # The wrapper's bookkeeping around the module's forward: not traced by torch.compile (it
     # calls into the C++ Reducer and handles errors), so that the module's forward between is.
     @torch.compiler.disable
-    def _before_module(self, grad_enabled: bool) -> None:
+    def _before_module(self, grad_enabled: bool, compiling: bool) -> _waits.ReadWaits | None:
         if self._join_config.enable:  # inside an enabled Join context: "not joined yet"
             Join.notify_join_context(self)
-        if self._in_backward is not None:
-            self.reducer.wait_for_steps()  # last step's weights are in place
+        # Last step's weights are in place; offload_to_cpu: host steps still pending are waited
+        # for as the module reads them (self._waits.begin below).
+        self._step_error = None
+        pending = self._in_backward is not None and bool(self.reducer.pending_steps())
+        if self._in_backward is not None and not pending:
+            self._wait_for_steps()
         if grad_enabled:
             try:
                 self._check_parameters_unchanged()
@@ -288,13 +298,34 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             except Exception as e:
                 self.logger.set_error_and_log(f"{type(e)}: {e}")
                 raise
-            if self._in_backward is not None:
-                self._in_backward.before_forward()
+            if self._in_backward is not None:  # (pending: state adopted after the forward)
+                self._in_backward.before_forward(adopt=not pending)
         if self.will_sync_module_buffers():
             self._sync_buffers()
+        waits = self._waits.begin(compiling) if pending else None
+        if pending and waits is None:
+            self._wait_for_steps()
+        return waits
+
+    def _wait_for_steps(self) -> None:
+        """Waits for the last backward's steps. An error the host worker met is raised at the
+        end of the forward (``_after_module``), where one met while the forward waited bucket by
+        bucket is: at the same point on every rank, whichever way each one waited, so that no
+        rank is left alone in a collective of the forward."""
+        try:
+            self.reducer.wait_for_steps()
+        except Exception as e:  # noqa: BLE001 (re-raised by _after_module)
+            self._step_error = e
 
     @torch.compiler.disable
-    def _after_module(self, grad_enabled: bool, output: Any) -> None:
+    def _after_module(self, grad_enabled: bool, output: Any, waited_per_bucket: bool) -> None:
+        if waited_per_bucket:
+            self.reducer.wait_for_steps()  # what the forward did not read (or the worker's error)
+            if grad_enabled:
+                self._in_backward.adopt_state()
+        error, self._step_error = getattr(self, "_step_error", None), None
+        if error is not None:
+            raise error
         if grad_enabled and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             track = self.find_unused_parameters and not self.static_graph
@@ -579,7 +610,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 "process group (no process_group argument), as with torch's DDP."
             )
         state = copy.copy(self.__dict__)
-        for key in ("process_group", "reducer", "_params"):
+        for key in ("process_group", "reducer", "_params", "_waits"):
             state.pop(key, None)
         state["_config"] = self._config.without_group()
         return state

@@ -147,9 +147,11 @@ class InBackward:
         device = None if self.offload else self.device  # the host step takes numbers
         return [_hyper(g, self.cls, device) for g in self.optimizer.param_groups]
 
-    def before_forward(self) -> None:
+    def before_forward(self, adopt: bool = True) -> None:
         """Makes the current hyper-parameters (and GradScaler's scale) the ones the next
-        in-backward steps use, and adopts optimizer state code replaced since the last one."""
+        in-backward steps use, and (``adopt``) :meth:`adopt_state`; without ``adopt`` the
+        caller calls it once the last backward's host steps are done (offload_to_cpu: a forward
+        that waits for them bucket by bucket)."""
         self.loading = False  # a load_state_dict that raised changed nothing
         self.saved = {}
         if self.kind:
@@ -164,6 +166,12 @@ class InBackward:
             self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
             self.reducer.set_grad_scaler(scale, self.found_inf)
         self.optimizer._opt_called = True  # LR schedulers: the optimizer does step
+        if adopt:
+            self.adopt_state()
+
+    def adopt_state(self) -> None:
+        """Adopts optimizer state code replaced since the last call, and points
+        ``optimizer.state`` at the fused state (waits for the steps where it was created)."""
         if self.kind:
             self.view.adopt(self.reducer)
         self.sync_state()
