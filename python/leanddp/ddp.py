@@ -323,7 +323,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.reducer.wait_for_steps()  # what the forward did not read (or the worker's error)
             if grad_enabled:
                 self._in_backward.adopt_state()
-        error, self._step_error = getattr(self, "_step_error", None), None
+        error, self._step_error = self._step_error, None  # (set by _before_module)
         if error is not None:
             raise error
         if grad_enabled and self.require_backward_grad_sync:
