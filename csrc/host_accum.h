@@ -71,6 +71,8 @@ class HostAccumulator {
   // Host bytes of the sums and incoming buffers, and of those the pinned ones.
   int64_t host_bytes() const { return bytes(/*pinned_only=*/false); }
   int64_t pinned_bytes() const { return bytes(/*pinned_only=*/true); }
+  // GPU: CUDA events created so far (pooled).
+  int64_t events_created() const { return events_ ? events_->created() : 0; }
 
  private:
   struct HostBuffers {

@@ -150,7 +150,9 @@ class HostSteps final : public StepStrategy {
                 const std::vector<std::vector<at::Tensor>>& old_full) override;
   void shutdown() override { offload_->shutdown(); }
   int64_t generation() const override;
-  int64_t events_created() const override { return offload_->events_created(); }
+  int64_t events_created() const override {
+    return offload_->events_created() + (accumulator_ ? accumulator_->events_created() : 0);
+  }
 
  private:
   std::unique_ptr<HostOffload> offload_;

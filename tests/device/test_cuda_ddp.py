@@ -637,22 +637,36 @@ def test_construction_without_set_device() -> None:
     run_ranks(2, _tutorial_pattern, backend="nccl", set_device=False)
 
 
-def test_events_are_pooled() -> None:
-    """Steps and copies reuse a bounded set of CUDA events, not one per bucket per iteration."""
-    run_ranks(1, _events, backend="nccl")
+@pytest.mark.parametrize("offload", [False, True], ids=["in_backward", "offload_accumulating"])
+def test_events_are_pooled(offload: bool) -> None:
+    """Steps and copies reuse a bounded set of CUDA events, not one per bucket per iteration;
+    with offload_to_cpu and accumulation, the host accumulator's copies too (counted with the
+    rest)."""
+    run_ranks(1, _events, offload, backend="nccl")
 
 
-def _events(rank: int, world_size: int) -> None:
+def _events(rank: int, world_size: int, offload: bool) -> None:
     ddp = leanddp.DistributedDataParallel(
         Net(rank=rank, f64=False).cuda(),
         device_ids=[0],
         bucket_cap_mb=0.0005,
         optimizer_in_backward=functools.partial(torch.optim.AdamW, lr=1e-3),
+        offload_to_cpu=offload,
     )
+
+    def step() -> None:
+        if offload:  # a no_sync() micro-batch first: the accumulator's copies and events
+            with ddp.no_sync():
+                ddp(_batches(1)[0]).square().mean().backward()
+        ddp(_batches(1)[0]).square().mean().backward()
+
     for _ in range(3):
-        ddp(_batches(1)[0]).square().mean().backward()
+        step()
     created = ddp.reducer.events_created()
+    if offload:
+        ddp.synchronize()
+        assert created > 0, "the offload copies recorded no event"
     for _ in range(5):
-        ddp(_batches(1)[0]).square().mean().backward()
+        step()
     assert ddp.reducer.events_created() == created, "new events were created per iteration"
     assert dist.get_world_size() == 1
