@@ -387,6 +387,8 @@ class Reducer {
   void build_buckets(const std::vector<std::vector<int64_t>>& assignment);
   bool tracks_unused() const;  // this iteration learns which parameters are globally unused
   bool should_rebuild() const;
+  // Whether the next rebuild_buckets() rebuilds (an order was recorded, no backward is armed).
+  bool rebuild_due() const { return should_rebuild() && !ready_order_.empty() && !armed_; }
   void write_reduced_grads(size_t bucket_index, const std::vector<int32_t>& used);
   // Waits for bucket `index`'s reduction and leaves the averaged result in its flat buffer
   // (once per iteration; later calls return at once).

@@ -27,7 +27,7 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
 
 bool Reducer::rebuild_buckets() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!should_rebuild() || ready_order_.empty() || armed_) return false;
+  if (!rebuild_due()) return false;
   check_open("rebuilding the buckets");
   wait_idle();  // offload_to_cpu: the host state is relaid below (raises before any change)
   const size_t n = params_.size();

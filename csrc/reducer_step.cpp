@@ -137,7 +137,7 @@ std::vector<int64_t> Reducer::pending_steps() const {
   HostOffload* host = host_offload();
   // A forward that winds up an unfinished backward or rebuilds the buckets waits for the
   // worker there anyway (prepare_for_forward, rebuild_buckets): nothing to wait for per bucket.
-  if (!host || armed_ || (should_rebuild() && !ready_order_.empty())) return {};
+  if (!host || armed_ || rebuild_due()) return {};
   return host->pending();
 }
 
