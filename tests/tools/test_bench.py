@@ -66,8 +66,8 @@ def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def test_bench_runs_every_configuration_with_accumulation(tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = bench(
-        "--steps", "1", "--warmup", "1", "--accum", "2", "--world-sizes", "2", "3",
-        "--out", str(out),
+        "--steps", "1", "--warmup", "1", "--host-steps", "3", "--accum", "2",
+        "--world-sizes", "2", "3", "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "bench.json").read_text())
@@ -96,7 +96,10 @@ def test_bench_runs_every_configuration_with_accumulation(tmp_path: Path) -> Non
     off = runs["leanddp + offload_to_cpu"]
     assert off["memory"]["optimizer_device"] == 0
     assert off["memory"]["host"] >= 3 * params  # moments + masters (+ staging)
-    assert off["host_step"]["buckets"] > 0
+    # the share hidden is measured over --host-steps more steps: every one stepped every bucket
+    host = off["host_step"]
+    assert host["steps"] == 3 and host["buckets"] > 0 and host["buckets"] % 3 == 0, host
+    assert host["wait_seconds"] >= 0 and host["step_seconds"] > 0, host
     # offload_to_cpu with shard_optimizer_state: each host holds half (2 ranks), within padding,
     # of the state, masters and staging; the sums of the no_sync() micro-batches are whole (one
     # per bucket at accumulation 2: a bucket is cut into shards only when reduced)
@@ -166,8 +169,8 @@ def test_offload_accumulating_on_the_host_holds_what_it_holds_without(tmp_path: 
     (the bench's line says the target is met), the sums are on the host, and the line gives the
     PCIe bytes per micro-batch of the memory model."""
     done = bench(
-        "--steps", "1", "--warmup", "1", "--accum", "1", "4", "--out", str(tmp_path),
-        "--configs", OFFLOAD, "--world-sizes", "2",
+        "--steps", "1", "--warmup", "1", "--host-steps", "3", "--accum", "1", "4",
+        "--out", str(tmp_path), "--configs", OFFLOAD, "--world-sizes", "2",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -212,6 +215,7 @@ def test_bench_rejects_bad_arguments_before_launching(capsys: pytest.CaptureFixt
     assert "runs:" not in done.stderr  # nothing launched
     for argv, message in (
         (["--steps", "0"], "--steps must be at least 1"),
+        (["--host-steps", "0"], "--host-steps must be at least 1"),
         (["--world-sizes", "2", "0"], "every world size must be at least 1, got 0"),
     ):  # the same parser in this process
         with pytest.raises(SystemExit) as e:

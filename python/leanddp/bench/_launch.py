@@ -87,6 +87,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps (default: 2)")
+    p.add_argument(
+        "--host-steps",
+        type=int,
+        default=100,
+        help="offload_to_cpu: steps after the timed ones over which the share of the host step "
+        "hidden is measured (default: 100)",
+    )
     p.add_argument("--model", choices=list(SIZES), default="tiny", help="default: tiny")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="default: fp32")
     p.add_argument("--bucket-cap-mb", type=float, default=2.0, help="every configuration's cap")
@@ -100,7 +107,11 @@ def parser() -> argparse.ArgumentParser:
 def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     """Bad arguments end here, before anything is launched."""
     size = SIZES[args.model]
-    for name, value in (("--steps", args.steps), ("--nproc-per-node", args.nproc_per_node)):
+    for name, value in (
+        ("--steps", args.steps),
+        ("--host-steps", args.host_steps),
+        ("--nproc-per-node", args.nproc_per_node),
+    ):
         if value is not None and value < 1:
             p.error(f"{name} must be at least 1, got {value}")
     if args.warmup < 1:
@@ -143,7 +154,8 @@ def launch(args: argparse.Namespace, name: str, accum: int, world: int, result: 
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={world}", "--module", "leanddp.bench._worker",
         "--config", name, "--accum", str(accum), "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--model", args.model, "--dtype", args.dtype,
+        "--warmup", str(args.warmup), "--host-steps", str(args.host_steps),
+        "--model", args.model, "--dtype", args.dtype,
         "--bucket-cap-mb", str(args.bucket_cap_mb), "--lr", str(args.lr),
         "--device", args.device, "--result", str(result),
     ]  # fmt: skip

@@ -177,9 +177,10 @@ def main_table(report: dict, runs: list[dict]) -> list[str]:
         if h and h["step_seconds"] > 0:
             hidden = 1 - h["wait_seconds"] / h["step_seconds"]
             lines.append(
-                f"- {r['config']}, accumulation {r['accum']}: the host worker was busy "
-                f"{h['step_seconds']:.3f} s over {h['buckets']} bucket steps and the loop waited "
-                f"{h['wait_seconds']:.3f} s: {hidden:.0%} of the host step hidden."
+                f"- {r['config']}, accumulation {r['accum']}: over {h['steps']} steps after the "
+                f"timed ones the host worker was busy {h['step_seconds']:.3f} s "
+                f"({h['buckets']} bucket steps) and the loop waited {h['wait_seconds']:.3f} s: "
+                f"{hidden:.0%} of the host step hidden."
             )
     return lines
 
