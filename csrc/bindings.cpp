@@ -298,6 +298,7 @@ void bind_reducer(py::module_& m) {
       .def("wait_for_steps", &Reducer::wait_for_steps, py::arg("host_too") = false,
            py::call_guard<py::gil_scoped_release>())
       .def("pending_steps", &Reducer::pending_steps, py::call_guard<py::gil_scoped_release>())
+      .def("follow_steps", &Reducer::follow_steps, py::call_guard<py::gil_scoped_release>())
       .def("wait_for_bucket", &Reducer::wait_for_bucket, py::arg("index"),
            py::call_guard<py::gil_scoped_release>())
       .def("_delay_host_steps", &Reducer::delay_host_steps, py::arg("seconds"),

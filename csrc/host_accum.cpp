@@ -4,8 +4,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <optional>
+#include <thread>
 #include <utility>
 
 namespace leanddp {
@@ -63,7 +65,9 @@ void HostAccumulator::add(size_t index, const at::Tensor& flat) {
   added_[index] = sequence;
   at::Tensor sum = first ? at::Tensor() : host.sum;
   at::Tensor incoming = first ? at::Tensor() : host.incoming;
-  offload_.post_after(std::move(copied), [sum, incoming, done = done_, sequence] {
+  const double delay = offload_.step_delay();
+  offload_.post_after(std::move(copied), [sum, incoming, done = done_, sequence, delay] {
+    if (delay > 0) std::this_thread::sleep_for(std::chrono::duration<double>(delay));
     if (sum.defined()) {
       at::NoGradGuard no_grad;
       sum.add_(incoming);
@@ -73,8 +77,9 @@ void HostAccumulator::add(size_t index, const at::Tensor& flat) {
 }
 
 void HostAccumulator::wait_added(size_t index) {
-  // Normally done: the forward in between waited for the worker. A failed addition dropped the
-  // worker's queue; drain() returns then, and the error surfaces at the next forward.
+  // Normally done: a forward ran in between (which does not wait for the additions). A failed
+  // addition dropped the worker's queue; drain() returns then, and the error surfaces at the
+  // next forward (the steps submitted meanwhile are dropped).
   if (done_->load() < added_[index]) offload_.drain();
 }
 

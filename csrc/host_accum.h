@@ -31,7 +31,8 @@
 // Threading: every method runs on the Reducer's threads with its lock held; the worker runs the
 // additions (HostOffload::post_after), in order. Before a bucket's buffers are written again
 // (its next add(), or its take()) the caller waits for the worker if that bucket's last
-// addition is not done: normally it is, the forward in between having waited for the worker.
+// addition is not done: normally it is, a forward having run in between. The forward itself does
+// not wait for the additions (Reducer::follow_steps): no forward reads them.
 #pragma once
 
 #include "bucket.h"

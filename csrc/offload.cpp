@@ -256,6 +256,16 @@ void HostOffload::wait(bool host_too) {
   if (error) std::rethrow_exception(error);
 }
 
+void HostOffload::follow_copies() {
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    std::swap(error, error_);
+  }
+  if (error) std::rethrow_exception(error);
+  if (on_gpu_) events_->record(*h2d_stream_)->block(current_stream(params_[0].device()));
+}
+
 void HostOffload::run_worker(const std::shared_ptr<Sync>& sync) {
   // A new thread's current device is the first GPU: this rank's device instead, before the first
   // CUDA call (an event synchronize does not set it), or every rank opens a context on GPU 0.

@@ -155,6 +155,11 @@ class HostOffload {
   // back (and the host too, if `host_too`: before the host buffers are read or written).
   // Rethrows (once) an error the worker met; its later jobs were dropped.
   void wait(bool host_too);
+  // A forward with no step pending (pending() empty): rethrows (once) an error the worker met,
+  // and on a GPU the current stream waits for the copies back queued so far. The host does not
+  // wait: the worker may still be summing no_sync() micro-batches (HostAccumulator), which no
+  // forward reads.
+  void follow_copies();
   // The buckets were rebuilt (worker idle): state and float32 masters move to the new layout,
   // the other host buffers are dropped.
   void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);
@@ -176,8 +181,10 @@ class HostOffload {
   void drain();
   // From now on (before the first submit) steps wait for end_iteration(), as with clipping.
   void hold_steps() { hold_ = true; }
-  // Tests: the worker sleeps `seconds` before each step from now on (0: not).
+  // Tests: the worker sleeps `seconds` before each step, and each HostAccumulator addition,
+  // from now on (0: not).
   void delay_steps(double seconds) { step_delay_ = seconds; }
+  double step_delay() const { return step_delay_; }
 
   // Worker idle (after wait(true)) for the rest.
   FusedOptimizer& optimizer() { return *optimizer_; }

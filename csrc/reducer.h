@@ -241,11 +241,17 @@ class Reducer {
   // where the next forward waits for the worker anyway (it rebuilds the buckets, or winds up
   // a backward that raised).
   std::vector<int64_t> pending_steps() const;
+  // The next forward where pending_steps() is empty: as wait_for_steps(false), except that with
+  // offload_to_cpu and no host step pending the host does not wait for the worker (it may be
+  // summing no_sync() micro-batches); an error it met is rethrown, and on a GPU the current
+  // stream waits for the copies back.
+  void follow_steps();
   // The host waits for bucket `index`'s host step (only), then on a GPU the current stream
   // waits for its copy back; a no-op without offload_to_cpu. The next forward calls it for each
   // pending bucket as it reads the bucket's parameters.
   void wait_for_bucket(int64_t index);
-  // Tests: the host worker sleeps `seconds` before each host step from now on (0: not).
+  // Tests: the host worker sleeps `seconds` before each host step and each addition of a
+  // no_sync() micro-batch (accumulate_on_host) from now on (0: not).
   void delay_host_steps(double seconds);
   // accumulate_on_host: drops the no_sync() micro-batches' gradients summed on the host
   // (zero_grad() during an accumulation); a no-op otherwise.

@@ -141,6 +141,15 @@ std::vector<int64_t> Reducer::pending_steps() const {
   return host->pending();
 }
 
+void Reducer::follow_steps() {
+  std::lock_guard<std::mutex> lock(mu_);
+  HostOffload* host = host_offload();
+  // (pending_steps() is also empty where the forward waits later, which a forward without
+  // gradients does not: a step still pending is waited for here then)
+  if (host && host->pending().empty()) return host->follow_copies();
+  wait_idle(/*host_too=*/false);
+}
+
 void Reducer::wait_for_bucket(int64_t index) {
   std::lock_guard<std::mutex> lock(mu_);
   HostOffload* host = host_offload();
@@ -249,7 +258,10 @@ int64_t Reducer::events_created() const {
 
 int64_t Reducer::optimizer_generation() const {
   std::lock_guard<std::mutex> lock(mu_);
-  wait_idle(/*host_too=*/false, /*order_device=*/false);  // (reads host counters only)
+  // (reads host counters only, which only steps change: no wait where none is pending, such as
+  // while the worker sums no_sync() micro-batches)
+  const HostOffload* host = host_offload();
+  if (!host || !host->pending().empty()) wait_idle(/*host_too=*/false, /*order_device=*/false);
   return steps_ ? steps_->generation() : 0;
 }
 

@@ -16,7 +16,9 @@ buckets first). A read is seen two ways: a module's forward pre-hook waits for t
 the module owns, and a torch function mode (:class:`ReadWaits`) sees every torch function and
 tensor method the forward calls, so a parameter read outside its owner's forward
 (``nn.MultiheadAttention`` reading ``out_proj.weight``, a tied or functional use in a parent) is
-waited for too. The rest is waited for at the end of the forward. Where torch functions may not
+waited for too. The rest is waited for at the end of the forward. With no host step pending the
+forward does not wait for the worker at all, which may still be summing the last no_sync()
+micro-batch (accumulate_on_host): no forward reads those sums. Where torch functions may not
 be seen (a forward being compiled, a compiled or scripted submodule) the forward waits for
 everything at its start instead.
 """
@@ -108,8 +110,8 @@ class Waits:
 
     def _before_module_forward(self, module: nn.Module, args: Any) -> None:
         reducer = self._reducer()
-        if reducer is not None and not self.active:  # called directly, not by the wrapper
-            reducer.wait_for_steps()
+        if reducer is not None and not self.active:  # called directly, or nothing pending
+            reducer.follow_steps()  # (waits for every step if one is pending)
 
     def _owner_hook(self, owned: list[int]) -> Any:
         def before_forward(module: nn.Module, args: Any) -> None:

@@ -287,7 +287,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._step_error = None
         pending = self._in_backward is not None and bool(self.reducer.pending_steps())
         if self._in_backward is not None and not pending:
-            self._wait_for_steps()
+            self._wait_for_steps(self.reducer.follow_steps)
         if grad_enabled:
             try:
                 self._check_parameters_unchanged()
@@ -307,13 +307,15 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self._wait_for_steps()
         return waits
 
-    def _wait_for_steps(self) -> None:
-        """Waits for the last backward's steps. An error the host worker met is raised at the
+    def _wait_for_steps(self, wait: Callable[[], None] | None = None) -> None:
+        """Waits for the last backward's steps (``wait``: ``reducer.wait_for_steps``, or
+        ``reducer.follow_steps`` where none is pending, which does not wait for the host
+        worker's sums of no_sync() micro-batches). An error the host worker met is raised at the
         end of the forward (``_after_module``), where one met while the forward waited bucket by
         bucket is: at the same point on every rank, whichever way each one waited, so that no
         rank is left alone in a collective of the forward."""
         try:
-            self.reducer.wait_for_steps()
+            (wait or self.reducer.wait_for_steps)()
         except Exception as e:  # noqa: BLE001 (re-raised by _after_module)
             self._step_error = e
 

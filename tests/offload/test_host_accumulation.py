@@ -12,8 +12,10 @@ Between micro-batches: no bucket, no gradient, and the sums on the host.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
+import time
 
 import pytest
 import torch
@@ -27,6 +29,8 @@ import leanddp
 
 BATCH = 6
 STEPS = 3
+#: seconds the host worker sleeps before each addition and step (the forward-wait test)
+ADDITION_DELAY = 0.4
 
 
 def _micro_batch(ddp: nn.Module, x: torch.Tensor, sync: bool) -> None:
@@ -100,6 +104,45 @@ def test_zero_grad_drops_the_host_sum() -> None:
     """zero_grad() (the wrapper's, and ddp.optimizer's) in the middle of an accumulation drops
     what the host summed so far, as torch's drops param.grad."""
     run_ranks(2, _zero_grad)
+
+
+def _no_wait_for_the_sums(rank: int, world_size: int, shard: bool) -> None:
+    run = InBackwardLockStep(
+        Net(rank=rank, f64=False),
+        OPTIMIZERS["adamw"],
+        offload=True,
+        ours_kwargs=dict(shard_optimizer_state=shard),
+    )
+    run.ours.reducer._delay_host_steps(ADDITION_DELAY)  # each addition (and step) lags
+    accum = 4
+    for step in range(STEPS):
+        for i in range(accum):
+            x = torch.randn(BATCH, 12)
+            _micro_batch(run.ref, x, sync=i == accum - 1)
+            sync = contextlib.nullcontext() if i == accum - 1 else run.ours.no_sync()
+            with sync:
+                before = run.ours.offload_stats()["wait_seconds"]
+                start = time.perf_counter()
+                out = run.ours(x)
+                took = time.perf_counter() - start
+                waited = run.ours.offload_stats()["wait_seconds"] - before
+                # the last micro-batch's sums are still being added (each addition sleeps first):
+                # the forward reads none, and waits for none of them, counted or not
+                what = f"step {step} micro-batch {i}: waited {waited} s, took {took} s"
+                assert i == 0 or (waited == 0 and took < ADDITION_DELAY / 2), what
+                out.square().mean().backward()
+        run.ref_opt.step()
+        run.ref_opt.zero_grad()
+        _assert_equal(run, f"shard={shard} step {step}")
+    run.ours.reducer._delay_host_steps(0)
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_a_no_sync_forward_does_not_wait_for_the_host_sums(shard: bool) -> None:
+    """The forward after a no_sync() micro-batch does not wait for the worker's additions of it
+    (on a GPU that wait would also wait for the device to finish that backward); each bucket's
+    next copy to the host waits for its own addition instead. Still bit for bit torch's."""
+    run_ranks(2, _no_wait_for_the_sums, shard)
 
 
 def _against_device_accumulation(model: nn.Module, dtype: torch.dtype, what: str) -> None:
