@@ -241,11 +241,19 @@ void HostOffload::wait_stepped(size_t index) {
 
 void HostOffload::wait(bool host_too) {
   const auto start = std::chrono::steady_clock::now();
-  std::exception_ptr error;
   {
     std::unique_lock<std::mutex> lock(sync_->mu);
     sync_->cv.wait(lock, [&] { return queue_.empty() && !sync_->busy; });
     stats_.wait_seconds += seconds_since(start);
+  }
+  // (the worker is idle and only the caller queues jobs: no error can come between the two)
+  follow_copies(host_too);
+}
+
+void HostOffload::follow_copies(bool host_too) {
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(sync_->mu);
     std::swap(error, error_);
   }
   if (on_gpu_) {
@@ -254,16 +262,6 @@ void HostOffload::wait(bool host_too) {
     if (host_too) copied->synchronize();
   }
   if (error) std::rethrow_exception(error);
-}
-
-void HostOffload::follow_copies() {
-  std::exception_ptr error;
-  {
-    std::lock_guard<std::mutex> lock(sync_->mu);
-    std::swap(error, error_);
-  }
-  if (error) std::rethrow_exception(error);
-  if (on_gpu_) events_->record(*h2d_stream_)->block(current_stream(params_[0].device()));
 }
 
 void HostOffload::run_worker(const std::shared_ptr<Sync>& sync) {

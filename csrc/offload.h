@@ -155,11 +155,11 @@ class HostOffload {
   // back (and the host too, if `host_too`: before the host buffers are read or written).
   // Rethrows (once) an error the worker met; its later jobs were dropped.
   void wait(bool host_too);
-  // A forward with no step pending (pending() empty): rethrows (once) an error the worker met,
-  // and on a GPU the current stream waits for the copies back queued so far. The host does not
-  // wait: the worker may still be summing no_sync() micro-batches (HostAccumulator), which no
-  // forward reads.
-  void follow_copies();
+  // wait() without waiting for the worker, for a forward with no step pending (pending()
+  // empty): on a GPU the current stream waits for the copies back queued so far (and the host
+  // too, if `host_too`); rethrows (once) an error the worker met. The worker may still be
+  // summing no_sync() micro-batches (HostAccumulator), which no forward reads.
+  void follow_copies(bool host_too = false);
   // The buckets were rebuilt (worker idle): state and float32 masters move to the new layout,
   // the other host buffers are dropped.
   void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);
