@@ -49,9 +49,10 @@ LEANDDP_ISA_ATTR void sgd_loop(float* __restrict p, const float* __restrict g,
                                float* __restrict buf, int64_t n, const SgdConsts& consts) {
   const SgdConsts c = consts;  // (as in adam_loop)
   if (buf == nullptr) {
-    for (int64_t i = 0; i < n; ++i) sgd_update<false, kAmp>(p[i], g[i], nullptr, c);
+    for (int64_t i = 0; i < n; ++i)
+      sgd_update<LEANDDP_ISA_FMA, false, kAmp>(p[i], g[i], nullptr, c);
   } else {
-    for (int64_t i = 0; i < n; ++i) sgd_update<true, kAmp>(p[i], g[i], buf + i, c);
+    for (int64_t i = 0; i < n; ++i) sgd_update<LEANDDP_ISA_FMA, true, kAmp>(p[i], g[i], buf + i, c);
   }
 }
 

@@ -123,13 +123,14 @@ LEANDDP_ISA_ATTR void sgd_half_loop(c10::Half* __restrict p, const c10::Half* __
     widen(g + i, gf);
     if constexpr (kMomentum) widen(buf + i, bf);
 #pragma omp simd  // (left to itself GCC unrolls these lanes into scalar code on AVX2)
-    for (int64_t k = 0; k < kLanes; ++k) sgd_update<kMomentum, kAmp>(pf[k], gf[k], bf + k, c);
+    for (int64_t k = 0; k < kLanes; ++k)
+      sgd_update<LEANDDP_ISA_FMA, kMomentum, kAmp>(pf[k], gf[k], bf + k, c);
     narrow(pf, p + i);
     if constexpr (kMomentum) narrow(bf, buf + i);
   }
   for (; i < n; ++i) {
     float pf = p[i], bf = kMomentum ? static_cast<float>(buf[i]) : 0.0f;
-    sgd_update<kMomentum, kAmp>(pf, g[i], &bf, c);
+    sgd_update<LEANDDP_ISA_FMA, kMomentum, kAmp>(pf, g[i], &bf, c);
     p[i] = pf;
     if constexpr (kMomentum) buf[i] = bf;
   }

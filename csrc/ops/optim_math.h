@@ -5,10 +5,10 @@
 // tensors by the kernel itself: apply_scalars(), the same code on both backends), rounded as
 // torch's fused kernels round them.
 // The element updates apply the same operations in the same order as torch's fused CPU Adam(W)
-// (including the multiply-adds its build fuses, written here as explicit fmaf) and torch.optim.SGD,
-// so results agree with torch to float rounding, and float32, bfloat16 and float16 Adam(W) are
-// bitwise equal to torch's fused CPU kernel in practice. Both backends compile this without any
-// other FMA contraction (-ffp-contract=off, nvcc --fmad=false), with IEEE sqrt and division, so
+// and torch.optim.SGD (including the multiply-adds torch's CPU build fuses, written here as
+// explicit fmaf), so float32, bfloat16 and float16 Adam(W) are bitwise equal to torch's fused CPU
+// kernel and float32 SGD to torch's for-loop SGD in practice. Both backends compile this without
+// any other FMA contraction (-ffp-contract=off, nvcc --fmad=false), with IEEE sqrt and division, so
 // the CPU kernels of instruction sets with FMA and the CUDA kernels give bit-identical results.
 // An instruction set without FMA (x86-64's baseline) takes kFma = false: each multiply-add is a
 // multiply then an add, as torch's own kernel computes it there (its DEFAULT capability), and the
@@ -211,21 +211,26 @@ inline SgdConsts make_sgd_consts(double lr, double momentum, double dampening, b
   return c;
 }
 
-// One element; `buf` is the momentum buffer element, only touched when kMomentum. kAmp as in
-// adam_update.
-template <bool kMomentum, bool kAmp = true>
+// One element; `buf` is the momentum buffer element, only touched when kMomentum. kFma and kAmp
+// as in adam_update. Each of torch's `add(x, alpha=a)` is one multiply-add, as its CPU kernel
+// computes it (vectorized: fmadd; its DEFAULT capability: a multiply then an add), so float32
+// results equal torch.optim.SGD's for-loop and foreach steps bit for bit on the CPU (torch's
+// fused CPU SGD equals them too but for a few last bits of each tensor's tail:
+// tests/ops/test_cpu_isa.py).
+template <bool kFma, bool kMomentum, bool kAmp = true>
 C10_HOST_DEVICE C10_ALWAYS_INLINE void sgd_update(float& p, float g, float* buf,
                                                   const SgdConsts& c) {
   g = g * c.grad_mul;
   if constexpr (kAmp) g /= c.amp_scale;
-  g = c.use_weight_decay ? g + c.weight_decay * p : g;  // torch: d_p.add(param, alpha=wd)
+  // torch: d_p.add(param, alpha=weight_decay)
+  g = c.use_weight_decay ? madd<kFma>(p, c.weight_decay, g) : g;
   if constexpr (kMomentum) {
     // torch: buf = clone(d_p) on the first step, else buf.mul_(momentum).add_(d_p, 1-dampening)
-    const float b = c.first_step ? g : *buf * c.momentum + c.one_minus_dampening * g;
+    const float b = c.first_step ? g : madd<kFma>(g, c.one_minus_dampening, *buf * c.momentum);
     *buf = b;
-    g = c.nesterov ? g + c.momentum * b : b;  // torch: d_p.add(buf, alpha=momentum) or buf
+    g = c.nesterov ? madd<kFma>(b, c.momentum, g) : b;  // torch: d_p.add(buf, alpha=momentum)
   }
-  p = p + c.neg_lr * g;  // torch: param.add_(d_p, alpha=-lr)
+  p = madd<kFma>(g, c.neg_lr, p);  // torch: param.add_(d_p, alpha=-lr)
 }
 
 }  // namespace leanddp::ops

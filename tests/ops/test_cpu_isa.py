@@ -1,13 +1,13 @@
 """The CPU kernels' instruction-set variants (baseline, AVX2, AVX-512) against torch, bit for bit.
 
 Each variant runs in its own process, pinned with LEANDDP_CPU_ISA, beside torch's fused AdamW
-pinned to the matching capability with ATEN_CPU_CAPABILITY (baseline: torch's DEFAULT, which
-computes multiply-adds unfused as our baseline does on x86-64; AVX2 and AVX-512: with FMA).
-Adam(W) of float32, bfloat16 and float16 parameters must equal torch's every bit (tails
-included: torch's scalar loop fuses another product); and every output of
-every op (Adam with bf16/fp16 gradients and a parameter copy, SGD, flatten with a scale) must be
-equal across the variants that share FMA (AVX2 and AVX-512, and the baseline for the ops
-without multiply-adds).
+and for-loop SGD pinned to the matching capability with ATEN_CPU_CAPABILITY (baseline: torch's
+DEFAULT, which computes multiply-adds unfused as our baseline does on x86-64; AVX2 and AVX-512:
+with FMA). Adam(W) of float32, bfloat16 and float16 parameters must equal torch's every bit
+(tails included: torch's scalar loop fuses another product), and so must float32 SGD; and
+every output of every op (Adam with bf16/fp16 gradients and a parameter copy, SGD, flatten with
+a scale) must be equal across the variants that share FMA (AVX2 and AVX-512, and the baseline
+for flatten, which has no multiply-add).
 """
 
 from __future__ import annotations
@@ -54,6 +54,22 @@ for pdt, decoupled, beta1 in itertools.product(
               **hyper)
     out[f"adam {pdt} decoupled={decoupled} beta1={beta1}"] = (ours, ref)
 hyper["beta1"] = 0.9
+# SGD of float32 parameters, ours against torch's for-loop SGD on the same data: momentum with
+# dampening (maximizing), Nesterov, none
+for cfg in (dict(momentum=0.5, dampening=0.2, nesterov=False, maximize=True),
+            dict(momentum=0.9, dampening=0.0, nesterov=True, maximize=False),
+            dict(momentum=0.0, dampening=0.0, nesterov=False, maximize=False)):
+    ours = [randn(n) for n in sizes]
+    ref = [torch.nn.Parameter(t.clone()) for t in ours]
+    opt = torch.optim.SGD(ref, lr=0.05, weight_decay=0.01, foreach=False, **cfg)
+    bufs = [torch.zeros(n) for n in sizes] if cfg["momentum"] else None
+    for step in (1, 2, 3):
+        g = [randn(n) for n in sizes]
+        ops.sgd_step_(ours, g, bufs, lr=0.05, weight_decay=0.01, first_step=step == 1, **cfg)
+        for r, gi in zip(ref, g):
+            r.grad = gi.clone()
+        opt.step()
+    out[f"sgd vs torch {cfg}"] = (ours, [r.detach() for r in ref])
 # Every op's outputs, for the comparison across variants
 for gdt in (torch.float32, torch.bfloat16, torch.float16):
     p = [randn(n) for n in sizes]
@@ -114,11 +130,11 @@ def test_isa_variants_equal_torch_and_each_other(tmp_path):
     if platform.machine() in ("x86_64", "AMD64"):
         assert len(results) >= 2, "an x86-64 CPU without AVX2: nothing to compare"
     for isa, out in results.items():
-        for key in [k for k in out if k.startswith("adam ")]:
+        for key in [k for k in out if k.startswith(("adam ", "sgd vs torch "))]:
             ours, ref = out.pop(key)
             for a, b in zip(_leaves(ours), _leaves(ref), strict=True):
-                assert torch.equal(a, b), f"{isa}: {key} differs from torch's fused kernel"
-    fma_free = ("sgd ", "flat")  # ops without a multiply-add: equal on every variant
+                assert torch.equal(a, b), f"{isa}: {key} differs from torch's kernel"
+    fma_free = ("flat",)  # ops without a multiply-add: equal on every variant
     for isa, out in results.items():
         for other, other_out in results.items():
             same_fma = (isa == "baseline") == (other == "baseline")

@@ -53,7 +53,7 @@ struct SgdRule {
   static constexpr int kStates = kMomentum ? 1 : 0;
   SgdConsts c;
   __device__ __forceinline__ void operator()(float& p, float g, float& s0, float&) const {
-    sgd_update<kMomentum>(p, g, &s0, c);
+    sgd_update</*kFma=*/true, kMomentum>(p, g, &s0, c);
   }
   __device__ __forceinline__ void prepare(const Scalars& s, const OptimTensor&) {
     apply_scalars(c, s.apply);
