@@ -159,19 +159,24 @@ class InBackwardLockStep:
 
 
 def train_lock_step(
-    run: InBackwardLockStep, what: str, accum: int, steps: int, static: bool = False
+    run: InBackwardLockStep,
+    what: str,
+    accum: int,
+    steps: int,
+    static: bool = False,
+    exact: bool = False,
 ) -> None:
     """``steps`` optimizer steps of ``accum`` micro-batches each (one in a static graph's first
     step: torch's DDP asserts when that one runs under no_sync), every other one with the loop's
     legacy calls; after each, every gradient and bucket of ours is released and the parameters
-    are within 1e-5 of torch's."""
+    are within 1e-5 of torch's (``exact``: equal to them)."""
     for step in range(steps):
         n = 1 if static and step == 0 else accum
         run.step([torch.randn(6, 12) for _ in range(n)], legacy_calls=step % 2 == 1)
         for p in run.ours.module.parameters():
             assert p.grad is None, f"{what} step {step}: a gradient survived the in-backward step"
         assert run.ours.memory_stats()["bucket_bytes"] == 0, f"{what}: buckets not released"
-        assert_params_close(run, f"{what} step {step}")
+        assert_params_close(run, f"{what} step {step}", exact)
 
 
 def completed_allreduce_hook(state, bucket):  # (string annotations fail torch's hook check)
@@ -185,8 +190,8 @@ def completed_allreduce_hook(state, bucket):  # (string annotations fail torch's
     return future
 
 
-def assert_params_close(run: InBackwardLockStep, what: str) -> None:
+def assert_params_close(run: InBackwardLockStep, what: str, exact: bool = False) -> None:
+    """Ours within 1e-5 of torch's parameters, or (``exact``) equal to them bit for bit."""
+    tol = dict(rtol=0.0, atol=0.0) if exact else dict(rtol=1e-5, atol=1e-6)
     for name, a, b in run.pairs():
-        torch.testing.assert_close(
-            b, a, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{what} {name}: {m}"
-        )
+        torch.testing.assert_close(b, a, **tol, msg=lambda m, name=name: f"{what} {name}: {m}")
