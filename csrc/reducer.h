@@ -308,7 +308,8 @@ class Reducer {
   // parameter's pieces on every rank, as (rank, first element, elements) of the parameter seen
   // 1-D in its memory order; this rank's pieces of the state as (parameter, torch's key, a live
   // 1-D view of the state buffer, which a checkpoint may load into), float32 masters included
-  // with offload_to_cpu ("master_weight"); and the step counts (the same on every rank), which
+  // with offload_to_cpu ("master_weight"; one not made yet is made from its parameter first,
+  // so it is made on every rank); and the step counts (the same on every rank), which
   // set_optimizer_steps() sets, leaving the buffers as they are.
   std::vector<std::vector<std::array<int64_t, 3>>> shard_placement() const;
   std::vector<std::tuple<int64_t, std::string, at::Tensor>> local_optimizer_state();

@@ -104,6 +104,7 @@ std::vector<std::vector<std::array<int64_t, 3>>> Reducer::shard_placement() cons
 }
 
 std::vector<std::tuple<int64_t, std::string, at::Tensor>> Reducer::local_optimizer_state() {
+  at::NoGradGuard no_grad;  // (masters made from the parameters)
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(!armed_,
               "leanddp.DistributedDataParallel: the sharded optimizer state is read "
@@ -119,6 +120,14 @@ std::vector<std::tuple<int64_t, std::string, at::Tensor>> Reducer::local_optimiz
     const std::vector<at::Tensor>& buffers = fused->state_buffers(b, bucket);
     const bool masters = host != nullptr &&
                          params_[static_cast<size_t>(bucket.params[0])].scalar_type() != at::kFloat;
+    // A master not made yet (no step, nothing loaded) is uninitialized memory: it is made now
+    // from its parameter, as the first step would make it, so that a checkpoint saved before
+    // the first step holds what training starts from. Every rank marks every parameter made
+    // (master_made), also those it holds no piece of.
+    for (size_t s = 0; masters && s < bucket.params.size(); ++s) {
+      const auto p = static_cast<size_t>(bucket.params[s]);
+      if (!host->master_made(p)) host->load_master(p, params_[p]);
+    }
     for (const ShardPiece& piece : shard_.shards()[b].pieces) {
       const int64_t p = bucket.params[piece.slot];
       const std::vector<std::string> keys = fused->buffer_keys(static_cast<size_t>(p));

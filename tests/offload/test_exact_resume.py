@@ -3,7 +3,8 @@ and optimizer state saved by ``ddp.optimizer.state_dict()`` come back bit for bi
 ``ddp.optimizer.load_state_dict`` (torch's load casts state values to the parameter's dtype,
 which would round them), with and without shard_optimizer_state, and through
 torch.distributed.checkpoint with the sharded state; training after the resume equals training
-on (gloo, 2 ranks, several steps, random data)."""
+on (gloo, 2 ranks, several steps, random data), also from a sharded checkpoint saved before the
+first step."""
 
 from __future__ import annotations
 
@@ -106,3 +107,28 @@ def test_offload_resumes_exactly(name: str, dtype: str) -> None:
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
 def test_offload_sharded_resumes_exactly(name: str, tmp_path: Path) -> None:
     run_ranks(2, _resume, name, "bfloat16", True, str(tmp_path / "dcp"))
+
+
+def _saved_before_the_first_step(rank: int, world_size: int, path: str) -> None:
+    straight = _wrap(_model(torch.bfloat16, 0), "adamw", True)
+    dcp.save({"optim": straight.sharded_optimizer_state_dict()}, checkpoint_id=path)
+    resumed = _wrap(_model(torch.bfloat16, 1), "adamw", True)  # other weights
+    resumed.module.load_state_dict(straight.module.state_dict())
+    template = {"optim": resumed.sharded_optimizer_state_dict()}
+    dcp.load(template, checkpoint_id=path)
+    resumed.load_sharded_optimizer_state_dict(template["optim"])
+    upcast = [p.detach().float() for p in straight.module.parameters()]
+    for master, want in zip(_masters(resumed), upcast, strict=True):
+        assert torch.equal(master, want), "the saved master is not the parameter"
+    for step in range(3):
+        x = torch.randn(8, 16, dtype=torch.bfloat16)
+        _step(straight, x)
+        _step(resumed, x)
+        assert torch.equal(_flat(resumed), _flat(straight)), f"step {step}"
+
+
+@pytest.mark.leanddp_paths
+def test_offload_sharded_checkpoint_before_the_first_step(tmp_path: Path) -> None:
+    """A sharded checkpoint saved before any step holds the masters the first step starts
+    from (the bfloat16 parameters upcast), not the uninitialized host memory they were."""
+    run_ranks(2, _saved_before_the_first_step, str(tmp_path / "dcp"))
