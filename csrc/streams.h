@@ -10,7 +10,13 @@
 // on the CPU, under gloo, against torch's DDP. Its operations are synchronous: a CPU "stream" is
 // the host itself, where everything queued so far has already run, so recording, blocking and
 // synchronizing complete at once (and are counted, so tests can tell the branches ran). Only
-// tests turn it on.
+// tests turn it on. Two things make the seam ask a GPU's ordering questions on the CPU:
+//   * what the host knows: an event of a side stream is known reached (query()) only once the
+//     host waited for it or for a later event of that stream (synchronize()), as NCCL's works
+//     report done only when waited for; so the branches that wait, or that must not wait, run;
+//   * lagging streams (set_stream_lag): work queued through run_on() on such a stream runs later,
+//     on a thread of its own, so a reader that is not ordered after it reads stale data, as it
+//     would on a GPU. A stream waiting for such a stream's event is the host waiting.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,6 +26,7 @@
 #include <c10/core/StreamGuard.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -56,6 +63,20 @@ c10::Stream default_stream(const c10::Device& device);
 // Under host ordering, a new CPU stream id each call (so two streams compare unequal).
 c10::Stream pool_stream(const c10::Device& device);
 
+// Host ordering only (a CPU side stream): work queued on `stream` through run_on() from now on
+// runs `seconds` after it was queued, in order, on a thread of the stream's own (with gradients
+// off), and events recorded on the stream are reached when that thread gets there (see the top
+// of this file). The stream keeps its thread for the life of the process; a later call changes
+// the lag (0: the work still runs on that thread, in order, at once). The thread writes what the
+// host may read meanwhile: the data race a missing ordering has on a GPU (a race detector flags
+// it; only tests lag a stream).
+void set_stream_lag(const c10::Stream& stream, double seconds);
+
+// Runs `work` in `stream`'s order: at once with `stream` current, so that the device work it
+// issues is queued there; under host ordering on a lagging stream (set_stream_lag), later, on
+// that stream's thread. `work` must own what it uses: it may run after the caller returned.
+void run_on(const c10::Stream& stream, std::function<void()> work);
+
 // Records that `tensor`'s memory is used by the work queued so far on `stream`: the caching
 // allocator hands it out again only after that work, even if the tensor is dropped now.
 void record_on_stream(const at::Tensor& tensor, const c10::Stream& stream);
@@ -72,6 +93,8 @@ class StreamScope {
   std::optional<c10::StreamGuard> guard_;
 };
 
+class Lane;  // host ordering's lagging stream (streams.cpp)
+
 // One event of an EventPool: a c10::Event on a device; under host ordering, a marker whose work
 // is done when it is recorded. The same calls either way.
 class PooledEvent {
@@ -83,9 +106,19 @@ class PooledEvent {
   void block(const c10::Stream& stream) const;
   // The host waits for the recorded point.
   void synchronize() const;
+  // Whether the recorded point is known to be reached, without waiting (the device's answer;
+  // under host ordering, see the top of this file: the host's stream always, a side stream's
+  // once the host waited for this point or a later one, a lagging stream's once it got there).
+  bool query() const;
 
  private:
   std::optional<c10::Event> event_;  // absent under host ordering
+  // Host ordering: the stream recorded on, this record's number among that stream's records,
+  // and on a lagging stream its lane and the work queued there before the record.
+  c10::StreamId stream_id_ = 0;
+  int64_t mark_ = 0;
+  std::shared_ptr<Lane> lane_;
+  int64_t ticket_ = 0;
 };
 
 // A pool of reusable events of one device type. Creating a CUDA event costs a driver call, so
