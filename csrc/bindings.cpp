@@ -355,6 +355,7 @@ void bind_reducer(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("memory_stats", &Reducer::memory_stats, py::call_guard<py::gil_scoped_release>())
       .def("events_created", &Reducer::events_created, py::call_guard<py::gil_scoped_release>())
+      .def("_recycler_reuses", &Reducer::recycler_reuses, py::call_guard<py::gil_scoped_release>())
       .def("bucket_indices", &Reducer::bucket_indices, py::call_guard<py::gil_scoped_release>())
       .def("bucket_bytes", &Reducer::bucket_bytes, py::call_guard<py::gil_scoped_release>())
       .def("has_rebuilt_buckets", &Reducer::has_rebuilt_buckets,

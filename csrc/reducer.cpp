@@ -146,11 +146,16 @@ void Reducer::ensure_allocated(size_t bucket_index) {
   at::Tensor storage;
   if (recycler_) {  // (the stream that writes the gradients waits for the buffer's last use)
     const at::Tensor& like = params_[static_cast<size_t>(bucket.params.front())];
-    storage = recycler_->take(std::max(bucket.numel, bucket.padded_numel), like,
-                              current_stream(like.device()));
+    if (auto reused = recycler_->take(std::max(bucket.numel, bucket.padded_numel), like,
+                                      current_stream(like.device()), allocated_buckets_)) {
+      storage = std::move(reused->storage);
+      reuses_.emplace_back(static_cast<int64_t>(bucket_index), static_cast<int64_t>(reused->giver),
+                           reused->waits);
+    }
   }
   allocate_bucket(bucket, params_, /*zeroed=*/false, storage);
   allocated_bytes_ += bucket.bytes();
+  ++allocated_buckets_;
   note_peak();
 }
 
@@ -169,6 +174,7 @@ void Reducer::release(size_t bucket_index) {
   }
   if (!bucket.allocated()) return;
   allocated_bytes_ -= bucket.bytes();
+  --allocated_buckets_;
   release_bucket(bucket);
 }
 
@@ -182,6 +188,15 @@ bool Reducer::should_rebuild() const {
          !(options_.shard_optimizer_state && options_.offload_to_cpu);
 }
 
+void Reducer::settle_finished_steps() {
+  // (one side stream: its steps finish in the order they were queued)
+  const bool drop_all = !steps_in_hooks();
+  while (!finish_events_.empty() && (drop_all || finish_events_.front().first->query())) {
+    unfinished_bytes_ -= finish_events_.front().second;
+    finish_events_.pop_front();
+  }
+}
+
 void Reducer::reset_iteration_state() {
   const size_t n = params_.size();
   armed_ = false;
@@ -190,6 +205,7 @@ void Reducer::reset_iteration_state() {
   recording_order_ = false;
   next_bucket_ = 0;
   // Device steps still queued count against the next backward's window (their bytes too).
+  settle_finished_steps();
   window_.reset(finish_events_.size());
   ready_.assign(n, 0);
   sources_.assign(n, at::Tensor());
@@ -241,6 +257,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   armed_ = true;
   peak_bucket_bytes_ = allocated_bytes_;
   max_in_flight_ = 0;
+  reuses_.clear();
   // As torch's DDP: a static graph's buckets are rebuilt from the order of its second iteration
   // (the first one's gradients are reduced together at its end), so both keep the first layout
   // for two iterations, for the same bits.

@@ -320,6 +320,12 @@ class Reducer {
   // CUDA events created so far for ordering steps and copies (they are pooled: this stays
   // constant once every bucket has been through a step).
   int64_t events_created() const;
+  // Tests: since the last forward that prepared a synchronized backward, each bucket that got
+  // released storage from the recycler (a comm hook with in-backward steps on a GPU), as
+  // (bucket, the bucket it came from, whether that bucket's step was not known finished): if
+  // not, the compute stream waits there for that step and its collective, so only the
+  // collectives launched after that one overlap the backward computation from then on.
+  std::vector<std::tuple<int64_t, int64_t, bool>> recycler_reuses() const;
   // Parameter indices per bucket, in launch order.
   std::vector<std::vector<int64_t>> bucket_indices() const;
   std::vector<int64_t> bucket_bytes() const;
@@ -390,6 +396,11 @@ class Reducer {
   // Raises the NaN check's error (nan_check.h; `used`: this iteration's globally-used verdict).
   [[noreturn]] void raise_nonfinite(const std::vector<int32_t>& used) const;
   void reset_iteration_state();
+  // Before a backward (and after one ended): forgets the side stream's steps known finished
+  // (a non-blocking query, oldest first), and all of them if the coming backward steps only at
+  // its end (it never finishes them: they would pile up, one event and one bucket's bytes per
+  // bucket per iteration); their bytes no longer count as in use.
+  void settle_finished_steps();
   // Lays out new buckets (storage allocated unless step_in_backward).
   void build_buckets(const std::vector<std::vector<int64_t>>& assignment);
   bool tracks_unused() const;  // this iteration learns which parameters are globally unused
@@ -531,13 +542,17 @@ class Reducer {
   // A comm hook with in-backward steps on a GPU: released buckets' storage, reused for the next
   // buckets (recycler.h); null otherwise. Set by register_comm_hook.
   std::unique_ptr<BucketRecycler> recycler_;
+  // Reuses of released storage since the last prepare_for_backward (recycler_reuses()).
+  std::vector<std::tuple<int64_t, int64_t, bool>> reuses_;
   std::vector<char> collected_;    // per bucket: its result is in `flat` (collect_reduced)
   NonFiniteCheck nan_;             // check_for_nan_in_grad (reset with the iteration)
   at::Tensor local_used_reduced_;  // the allreduced local_used_ (when tracked)
   c10::intrusive_ptr<c10d::Work> local_used_work_;
 
-  // Bucket bytes allocated now, and the most during the current/last synchronized backward.
+  // Bucket bytes (and buckets) allocated now, and the most bytes during the current/last
+  // synchronized backward.
   int64_t allocated_bytes_ = 0;
+  size_t allocated_buckets_ = 0;
   int64_t peak_bucket_bytes_ = 0;
   int64_t max_in_flight_ = 0;
 

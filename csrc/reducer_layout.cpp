@@ -12,6 +12,7 @@ namespace leanddp {
 void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment) {
   buckets_.clear();
   allocated_bytes_ = 0;
+  allocated_buckets_ = 0;
   location_.assign(params_.size(), {0, 0});
   for (const auto& indices : assignment) {
     for (size_t s = 0; s < indices.size(); ++s) {
@@ -19,7 +20,10 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
     }
     const bool sparse = indices.size() == 1 && expects_sparse(static_cast<size_t>(indices[0]));
     buckets_.push_back(make_bucket(params_, indices, !options_.step_in_backward, sparse));
-    if (buckets_.back().allocated()) allocated_bytes_ += buckets_.back().bytes();
+    if (buckets_.back().allocated()) {
+      allocated_bytes_ += buckets_.back().bytes();
+      ++allocated_buckets_;
+    }
   }
   // (shard_optimizer_state implies step_in_backward: nothing is allocated yet)
   if (options_.shard_optimizer_state) shard_.cut_all(buckets_, *process_group_);

@@ -72,16 +72,17 @@ void Reducer::step_bucket(size_t index, const std::vector<int32_t>* used) {
   if (side) {
     // The bucket is released now; the caching allocator hands its memory out again only after
     // the side stream's work on it. With a comm hook the recycler keeps it instead (its bytes
-    // are counted there, not as unfinished).
+    // are counted there, not as unfinished), its event recorded before the window's: when the
+    // window finishes this step, the recycler knows the buffer free.
     const int64_t bytes = bucket.bytes();
     record_on_stream(bucket.flat, *side);
-    finish_events_.emplace_back(events_->record(*side), recycler_ ? 0 : bytes);
-    unfinished_bytes_ += recycler_ ? 0 : bytes;
     if (recycler_ && bucket.allocated()) {
       const at::Tensor& whole = bucket.padded.defined() ? bucket.padded : bucket.flat;
       recycler_->give(at::Tensor(whole).as_strided({bytes / whole.element_size()}, {1}, 0),
-                      events_->record(*side));
+                      events_->record(*side), index);
     }
+    finish_events_.emplace_back(events_->record(*side), recycler_ ? 0 : bytes);
+    unfinished_bytes_ += recycler_ ? 0 : bytes;
   }
   if (!shard_.deferred(index)) release(index);
   if (recycler_) note_peak();  // (kept storage counts as held)
@@ -249,6 +250,11 @@ void Reducer::load_optimizer_state(size_t p, int64_t step, const std::vector<at:
               " is not stepped by the fused optimizer");
   const auto [b, s] = location_[p];
   fused->load_state(p, b, buckets_[b], s, step, values);
+}
+
+std::vector<std::tuple<int64_t, int64_t, bool>> Reducer::recycler_reuses() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reuses_;
 }
 
 int64_t Reducer::events_created() const {

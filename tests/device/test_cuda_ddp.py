@@ -483,6 +483,53 @@ def test_gradient_memory_bounded_across_unsynchronized_iterations(hook) -> None:
     run_ranks(1, _memory_across_iterations, hook, backend="nccl")
 
 
+def _hook_overlap(rank: int, world_size: int) -> None:
+    """torch's allreduce_hook on NCCL, the GPU slowed so that the host runs ahead: a bucket's
+    storage comes from the recycler, but never that of the bucket launched just before it while
+    that bucket's step is not known finished (its collective would then be waited for by the
+    compute stream): two collectives overlap backward, not one."""
+    ddp, x = _deep_ddp(default_hooks.allreduce_hook, slow=True)
+    for i in range(3):
+        ddp(x).square().mean().backward()
+        reuses = ddp.reducer._recycler_reuses()
+        what = f"iteration {i}: (bucket, reused bucket, waits) {reuses}"
+        assert len(reuses) >= len(ddp.module.layers) - 2, what
+        assert all(not waits or bucket - giver >= 2 for bucket, giver, waits in reuses), what
+        assert ddp.memory_stats()["max_buckets_in_flight"] <= _C.BUCKETS_IN_FLIGHT, what
+
+
+def test_cuda_comm_hook_overlaps_two_collectives() -> None:
+    run_ranks(1, _hook_overlap, backend="nccl")
+
+
+def _end_of_backward(rank: int, world_size: int) -> None:
+    """The modes that step every bucket at the end of backward (unused parameters searched for,
+    the strict NaN check, sharded clipping): over 20 iterations, no new CUDA event after the
+    first few and never more buckets in flight than there are buckets."""
+    modes = {
+        "find_unused_parameters": dict(find_unused_parameters=True),
+        "strict": dict(check_for_nan_in_grad="strict"),
+        "sharded clipped": dict(shard_optimizer_state=True, max_grad_norm=1.0),
+    }
+    for name, kwargs in modes.items():
+        ddp = leanddp.DistributedDataParallel(
+            Net(unused=name == "find_unused_parameters", rank=rank, f64=False).cuda(),
+            device_ids=[0], bucket_cap_mb=0.0005,
+            optimizer_in_backward=functools.partial(torch.optim.AdamW, lr=1e-3), **kwargs,
+        )  # fmt: skip
+        created = []
+        for _ in range(20):
+            ddp(_batches(1)[0]).square().mean().backward()
+            stats = ddp.memory_stats()
+            assert stats["max_buckets_in_flight"] <= stats["num_buckets"], (name, stats)
+            created.append(ddp.reducer.events_created())
+        assert len(set(created[3:])) == 1, (name, created)
+
+
+def test_cuda_end_of_backward_steps_do_not_pile_up() -> None:
+    run_ranks(1, _end_of_backward, backend="nccl")
+
+
 def _sync_free(rank: int, world_size: int, config: str) -> None:
     """Training steps under torch.cuda.set_sync_debug_mode("error"): any host synchronization
     on leanddp's hot path (forward glue, hooks, launches, in-backward steps, offload copies)

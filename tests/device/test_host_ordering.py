@@ -22,7 +22,14 @@ import torch
 import torch.distributed as dist
 from ddp_models import Case, LockStep, Net, accumulate, assert_same
 from dist_harness import run_ranks
-from in_backward_models import OPTIMIZERS, Deep, InBackwardLockStep, train_lock_step
+from in_backward_models import (
+    OPTIMIZERS,
+    Deep,
+    InBackwardLockStep,
+    assert_params_close,
+    train_lock_step,
+)
+from seam import counts_moved, host_ordered
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -35,21 +42,6 @@ STEPS = 3
 TINY = 0.0005  # MiB: a bucket per parameter or two, so the window fills and finishes buckets
 
 
-def _host_ordered(build):
-    """``build()`` with host ordering on (read at construction), then off again."""
-    _C._set_host_ordering(True)
-    try:
-        return build()
-    finally:
-        _C._set_host_ordering(False)
-
-
-def _counts_moved(before: dict, what: str, *keys: str) -> None:
-    after = _C._host_ordering_counts()
-    for key in keys:
-        assert after[key] > before[key], f"{what}: no {key} under host ordering ({after})"
-
-
 def _in_backward(rank: int, world_size: int) -> None:
     # (SGD's kernel runs through the same step_bucket as AdamW's: test_in_backward_* cover it)
     for name, accum, offload in itertools.product(("adamw", "adagrad"), (1, 3), (False, True)):
@@ -57,7 +49,7 @@ def _in_backward(rank: int, world_size: int) -> None:
             continue  # offload_to_cpu steps the fused kinds only
         what = f"host-ordered {name} accum={accum} offload={offload}"
         before = _C._host_ordering_counts()
-        run = _host_ordered(
+        run = host_ordered(
             lambda name=name, offload=offload: InBackwardLockStep(
                 Net(rank=rank, f64=False), OPTIMIZERS[name], offload=offload, bucket_cap_mb=TINY
             )
@@ -68,9 +60,9 @@ def _in_backward(rank: int, world_size: int) -> None:
         # side streams, events recorded and waited for on a stream, the bucket's memory recorded
         # on its stream; the host waited for a step's event (the full window's finish, or with
         # offload the worker's wait for a bucket's copy to the host)
-        _counts_moved(before, what, "streams", "records", "blocks", "synchronizes")
+        counts_moved(before, what, "streams", "records", "blocks", "synchronizes")
         if not offload:
-            _counts_moved(before, what, "records_on_stream")
+            counts_moved(before, what, "records_on_stream")
 
 
 def test_in_backward_and_offload_take_the_device_branches() -> None:
@@ -82,7 +74,7 @@ def test_in_backward_and_offload_take_the_device_branches() -> None:
 def _window_carried(rank: int, world_size: int) -> None:
     """Steps still queued on the side stream when a backward ends count against the next
     backward's window (a host that runs ahead must finish them before another launch)."""
-    run = _host_ordered(
+    run = host_ordered(
         lambda: InBackwardLockStep(
             Net(rank=rank, f64=False), OPTIMIZERS["adamw"], bucket_cap_mb=TINY
         )
@@ -103,6 +95,49 @@ def test_window_bound_carries_across_iterations() -> None:
     run_ranks(2, _window_carried)
 
 
+#: Configurations whose in-backward steps all wait for the end of backward (no step in a hook)
+END_OF_BACKWARD = {
+    "find_unused_parameters": dict(find_unused_parameters=True),
+    "strict NaN check": dict(ours_kwargs=dict(check_for_nan_in_grad="strict")),
+    "sharded max_grad_norm": dict(
+        max_grad_norm=0.05, ours_kwargs=dict(shard_optimizer_state=True, max_grad_norm=0.05)
+    ),
+}
+ITERATIONS = 30
+
+
+def _end_of_backward(rank: int, world_size: int) -> None:
+    for name, kwargs in END_OF_BACKWARD.items():
+        unused = "find_unused_parameters" in kwargs
+        run = host_ordered(
+            lambda kwargs=kwargs, unused=unused: InBackwardLockStep(
+                Net(unused=unused, rank=rank, f64=False), OPTIMIZERS["sgd-nesterov"],
+                bucket_cap_mb=TINY, **kwargs,
+            )
+        )  # fmt: skip
+        reducer = run.ours.reducer
+        created, peaks = [], []
+        for step in range(ITERATIONS):
+            run.step([torch.randn(6, 12)], legacy_calls=step % 2 == 1)
+            stats = run.ours.memory_stats()
+            assert stats["max_buckets_in_flight"] <= stats["num_buckets"], (name, step, stats)
+            created.append(reducer.events_created())
+            peaks.append(stats["peak_bucket_bytes"])
+        assert_params_close(run, f"{name} after {ITERATIONS} steps")
+        # (the first two iterations rebuild the buckets and create the optimizer state)
+        assert len(set(created[3:])) == 1, f"{name}: events created per iteration {created}"
+        assert len(set(peaks[3:])) == 1, f"{name}: peak bucket bytes per iteration {peaks}"
+
+
+def test_end_of_backward_steps_do_not_pile_up() -> None:
+    """Where every in-backward step waits for the end of backward (unused parameters searched
+    for, the strict NaN check, sharded clipping) no backward finishes the side stream's steps
+    before launching: over 30 iterations the events created and the bytes counted in flight
+    stay those of one iteration, and the buckets in flight never exceed the bucket count (as if
+    each iteration's steps were still running in every later one)."""
+    run_ranks(2, _end_of_backward)
+
+
 def _sharded(rank: int, world_size: int) -> None:
     for name, accum, offload in (
         ("adamw", 1, False),
@@ -111,7 +146,7 @@ def _sharded(rank: int, world_size: int) -> None:
     ):
         what = f"host-ordered sharded {name} accum={accum} offload={offload}"
         before = _C._host_ordering_counts()
-        run = _host_ordered(
+        run = host_ordered(
             lambda name=name, offload=offload: InBackwardLockStep(
                 Net(rank=rank, f64=False),
                 OPTIMIZERS[name],
@@ -121,7 +156,7 @@ def _sharded(rank: int, world_size: int) -> None:
             )
         )
         train_lock_step(run, what, accum, STEPS)
-        _counts_moved(before, what, "records", "blocks")
+        counts_moved(before, what, "records", "blocks")
 
 
 def test_sharded_gathers_on_the_side_stream() -> None:
@@ -136,7 +171,7 @@ def _comm_hooks(rank: int, world_size: int) -> None:
     ):
         what = f"host-ordered {hook.__name__} offload={offload}"
         before = _C._host_ordering_counts()
-        run = _host_ordered(  # twelve layers of 12 x 12: a bucket each
+        run = host_ordered(  # twelve layers of 12 x 12: a bucket each
             lambda offload=offload: InBackwardLockStep(
                 Deep(width=12), OPTIMIZERS["adamw"], offload=offload, bucket_cap_mb=TINY
             )
@@ -144,7 +179,7 @@ def _comm_hooks(rank: int, world_size: int) -> None:
         for ddp in (run.ref, run.ours):
             ddp.register_comm_hook(ddp.process_group, hook)
         train_lock_step(run, what, 1, STEPS)
-        _counts_moved(before, what, "records", "blocks")
+        counts_moved(before, what, "records", "blocks")
         # A hook's collective may keep a released bucket (NCCL's stash): its storage is kept
         # and reused for the next buckets, so what is held stays bounded whatever the count.
         stats = run.ours.memory_stats()
@@ -157,7 +192,7 @@ def _comm_hooks(rank: int, world_size: int) -> None:
     # gradient views without in-backward steps: a hook's result followed on the stream
     for accum in (1, 3):
         case = Case(accum=accum, tiny_buckets=True, optimizer="adamw")
-        run = _host_ordered(lambda case=case: LockStep(Net(rank=rank, f64=False), case))
+        run = host_ordered(lambda case=case: LockStep(Net(rank=rank, f64=False), case))
         for ddp in (run.ref, run.ours):
             ddp.register_comm_hook(ddp.process_group, default_hooks.fp16_compress_hook)
         for step in range(STEPS):
@@ -204,7 +239,7 @@ def _mixed_offload(rank: int, world_size: int) -> None:
         )  # fmt: skip
 
     before = _C._host_ordering_counts()
-    ordered, plain = _host_ordered(wrap), wrap()
+    ordered, plain = host_ordered(wrap), wrap()
     dtypes = {p.dtype for p in ordered.module.parameters()}
     assert dtypes == {torch.bfloat16, torch.float32}, dtypes
     for step in range(4):
@@ -221,7 +256,7 @@ def _mixed_offload(rank: int, world_size: int) -> None:
         assert not torch.equal(p, initial[name]), f"{name} never moved"
         if p.dtype == torch.bfloat16:
             assert ordered.optimizer.state[p]["master_weight"].dtype == torch.float32, name
-    _counts_moved(before, "mixed-dtype offload", "records", "synchronizes", "blocks")
+    counts_moved(before, "mixed-dtype offload", "records", "synchronizes", "blocks")
 
 
 def test_offload_with_mixed_dtypes_through_the_device_staging_path() -> None:
@@ -236,7 +271,7 @@ def _nan_check(rank: int, world_size: int) -> None:
     cases = (("in_backward", True, 1), ("in_backward", "strict", 2), ("offload", True, 2))
     for config, check, accum in cases:
         _nan_step(rank, world_size, config, check, accum)
-    _counts_moved(before, "NaN check", "records", "blocks")
+    counts_moved(before, "NaN check", "records", "blocks")
 
 
 def test_nan_check_flags_on_the_side_stream() -> None:
