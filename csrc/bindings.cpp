@@ -297,11 +297,16 @@ void bind_reducer(py::module_& m) {
           py::arg("setup"))
       .def("wait_for_steps", &Reducer::wait_for_steps, py::arg("host_too") = false,
            py::call_guard<py::gil_scoped_release>())
-      .def("pending_steps", &Reducer::pending_steps, py::call_guard<py::gil_scoped_release>())
+      .def("pending_steps", &Reducer::pending_steps, py::arg("follow_copies") = false,
+           py::call_guard<py::gil_scoped_release>())
       .def("follow_steps", &Reducer::follow_steps, py::call_guard<py::gil_scoped_release>())
       .def("wait_for_bucket", &Reducer::wait_for_bucket, py::arg("index"),
            py::call_guard<py::gil_scoped_release>())
       .def("_delay_host_steps", &Reducer::delay_host_steps, py::arg("seconds"),
+           py::arg("additions") = std::nullopt, py::call_guard<py::gil_scoped_release>())
+      .def("_delay_copies_back", &Reducer::delay_copies_back, py::arg("seconds"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("_copy_back_stream", &Reducer::copy_back_stream,
            py::call_guard<py::gil_scoped_release>())
       .def("discard_host_gradients", &Reducer::discard_host_gradients,
            py::call_guard<py::gil_scoped_release>())

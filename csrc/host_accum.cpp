@@ -65,7 +65,9 @@ void HostAccumulator::add(size_t index, const at::Tensor& flat) {
   added_[index] = sequence;
   at::Tensor sum = first ? at::Tensor() : host.sum;
   at::Tensor incoming = first ? at::Tensor() : host.incoming;
-  const double delay = offload_.step_delay();
+  const double delay = addition_delays_.empty()          ? offload_.step_delay()
+                       : index < addition_delays_.size() ? addition_delays_[index]
+                                                         : 0.0;
   offload_.post_after(std::move(copied), [sum, incoming, done = done_, sequence, delay] {
     if (delay > 0) std::this_thread::sleep_for(std::chrono::duration<double>(delay));
     if (sum.defined()) {
@@ -77,10 +79,13 @@ void HostAccumulator::add(size_t index, const at::Tensor& flat) {
 }
 
 void HostAccumulator::wait_added(size_t index) {
-  // Normally done: a forward ran in between (which does not wait for the additions). A failed
-  // addition dropped the worker's queue; drain() returns then, and the error surfaces at the
-  // next forward (the steps submitted meanwhile are dropped).
-  if (done_->load() < added_[index]) offload_.drain();
+  // Often done already. If not, the host waits for this bucket's last addition only, not for
+  // the jobs queued after it (other buckets' additions, host steps of this backward). A failed
+  // addition dropped the worker's queue; the wait returns then, and the error surfaces at the
+  // next forward (the steps submitted meanwhile are dropped: no step uses a partial sum).
+  const int64_t added = added_[index];
+  if (done_->load() >= added) return;
+  offload_.wait_until([&done = *done_, added] { return done.load() >= added; });
 }
 
 void HostAccumulator::take(size_t index, const at::Tensor& flat) {

@@ -29,10 +29,14 @@
 // once to the device per synchronized step.
 //
 // Threading: every method runs on the Reducer's threads with its lock held; the worker runs the
-// additions (HostOffload::post_after), in order. Before a bucket's buffers are written again
-// (its next add(), or its take()) the caller waits for the worker if that bucket's last
-// addition is not done: normally it is, a forward having run in between. The forward itself does
-// not wait for the additions (Reducer::follow_steps): no forward reads them.
+// additions (HostOffload::post_after), in order. The host does wait here, inside backward:
+// before a bucket's buffers are written again (its next add(), or its take()), if that bucket's
+// last addition is not done yet, the caller blocks until it is (on a GPU that addition first
+// waits for its copy to the host, so the host then waits for the device to reach that copy).
+// It waits for that one addition only, never for the jobs queued after it (other buckets'
+// additions, the host steps of this backward). Normally it is done already: the addition ran
+// while the rest of the last micro-batch's backward and this one's forward ran. The forward
+// itself does not wait for the additions (Reducer::follow_steps): no forward reads them.
 #pragma once
 
 #include "bucket.h"
@@ -74,6 +78,9 @@ class HostAccumulator {
   int64_t pinned_bytes() const { return bytes(/*pinned_only=*/true); }
   // GPU: CUDA events created so far (pooled).
   int64_t events_created() const { return events_ ? events_->created() : 0; }
+  // Tests: the worker sleeps `seconds[b]` before each addition of bucket b from now on (empty:
+  // HostOffload's step delay, as before).
+  void delay_additions(std::vector<double> seconds) { addition_delays_ = std::move(seconds); }
 
  private:
   struct HostBuffers {
@@ -81,7 +88,8 @@ class HostAccumulator {
     at::Tensor incoming;
   };
   int64_t bytes(bool pinned_only) const;
-  // Waits for the worker only if bucket `index`'s last addition is not done.
+  // Blocks until bucket `index`'s last addition is done (at once if it is), not for the
+  // worker's later jobs.
   void wait_added(size_t index);
 
   HostOffload& offload_;
@@ -96,6 +104,7 @@ class HostAccumulator {
   int64_t posted_ = 0;
   std::vector<int64_t> added_;  // per bucket: its last addition's number
   std::shared_ptr<std::atomic<int64_t>> done_ = std::make_shared<std::atomic<int64_t>>(0);
+  std::vector<double> addition_delays_;  // delay_additions()
 };
 
 }  // namespace leanddp

@@ -220,23 +220,34 @@ void HostOffload::set_groups(std::vector<OptimHyper> groups) {
   optimizer_->set_groups(std::move(groups));  // (the worker is idle, and only we queue jobs)
 }
 
-void HostOffload::drain() {
+void HostOffload::wait_until(const std::function<bool()>& done) {
   std::unique_lock<std::mutex> lock(sync_->mu);
-  sync_->cv.wait(lock, [&] { return sync_->stop || (queue_.empty() && !sync_->busy); });
+  // (not on error_ alone: jobs posted after it still run; the failed job's queue was dropped)
+  sync_->cv.wait(lock, [&] { return done() || sync_->stop || (queue_.empty() && !sync_->busy); });
+}
+
+void HostOffload::delay_copies_back(double seconds) {
+  TORCH_CHECK(on_gpu_ && h2d_stream_->device_type() == c10::DeviceType::CPU,
+              "HostOffload::delay_copies_back: only under host ordering (a test seam)");
+  set_stream_lag(*h2d_stream_, seconds);
 }
 
 void HostOffload::wait_stepped(size_t index) {
   const auto start = std::chrono::steady_clock::now();
-  std::unique_lock<std::mutex> lock(sync_->mu);
-  // (a failed or stopped worker dropped its jobs: the queue is empty then)
-  sync_->cv.wait(lock, [&] {
-    return stepped_[index] >= last_submit_[index] || error_ || sync_->stop ||
-           (queue_.empty() && !sync_->busy);
-  });
-  stats_.wait_seconds += seconds_since(start);
-  if (on_gpu_ && copied_back_[index]) {
-    copied_back_[index]->block(current_stream(params_[0].device()));
+  std::shared_ptr<const PooledEvent> copied;
+  {
+    std::unique_lock<std::mutex> lock(sync_->mu);
+    // (a failed or stopped worker dropped its jobs: the queue is empty then)
+    sync_->cv.wait(lock, [&] {
+      return stepped_[index] >= last_submit_[index] || error_ || sync_->stop ||
+             (queue_.empty() && !sync_->busy);
+    });
+    stats_.wait_seconds += seconds_since(start);
+    copied = copied_back_[index];
   }
+  // (outside the lock: the worker goes on publishing steps; kept alive here if it records a
+  // newer copy back meanwhile)
+  if (on_gpu_ && copied) copied->block(current_stream(params_[0].device()));
 }
 
 void HostOffload::wait(bool host_too) {
@@ -264,6 +275,13 @@ void HostOffload::follow_copies(bool host_too) {
   if (error) std::rethrow_exception(error);
 }
 
+void HostOffload::order_after_copies() {
+  if (!on_gpu_) return;
+  // (recorded after the caller read pending(): every bucket stepped by then had its copy back
+  // queued before its step was published, so this event follows it)
+  events_->record(*h2d_stream_)->block(current_stream(params_[0].device()));
+}
+
 void HostOffload::run_worker(const std::shared_ptr<Sync>& sync) {
   // A new thread's current device is the first GPU: this rank's device instead, before the first
   // CUDA call (an event synchronize does not set it), or every rank opens a context on GPU 0.
@@ -285,6 +303,9 @@ void HostOffload::run_worker(const std::shared_ptr<Sync>& sync) {
     lock.unlock();
     const auto start = std::chrono::steady_clock::now();
     std::exception_ptr error;
+    const bool step = !job.task && !job.end;  // (a step that fails is dropped: settled below)
+    const size_t index = job.index;
+    const int64_t sequence = job.sequence;
     try {
       process(job);
     } catch (c10::Error& e) {
@@ -305,6 +326,9 @@ void HostOffload::run_worker(const std::shared_ptr<Sync>& sync) {
     stats_.step_seconds += seconds_since(start);
     if (error) {
       error_ = error;
+      if (step) stepped_[index] = std::max(stepped_[index], sequence);
+      for (const Job& dropped : queue_) settle_dropped(dropped);
+      for (const Job& dropped : held_) settle_dropped(dropped);
       queue_.clear();
       held_.clear();
       sum_squares_ = 0;
@@ -356,10 +380,22 @@ double HostOffload::held_sum_squares() const {
   return sum_squares_;
 }
 
+void HostOffload::settle_dropped(const Job& job) {
+  if (job.task || job.end) return;
+  stepped_[job.index] = std::max(stepped_[job.index], job.sequence);
+}
+
 void HostOffload::finish_iteration(bool completed, std::optional<double> total) {
   const std::vector<Job> held = std::exchange(held_, {});
   const double sum_squares = std::exchange(sum_squares_, 0.0);
-  if (!completed) return;  // held buckets are dropped unstepped
+  if (!completed) {  // held buckets are dropped unstepped: not pending any more
+    {
+      std::lock_guard<std::mutex> lock(sync_->mu);
+      for (const Job& dropped : held) settle_dropped(dropped);
+    }
+    sync_->cv.notify_all();
+    return;
+  }
   double grad_norm = -1;
   std::optional<double> coef;
   if (options_.max_grad_norm) {
@@ -372,7 +408,16 @@ void HostOffload::finish_iteration(bool completed, std::optional<double> total) 
     std::stable_sort(order.begin(), order.end(),
                      [](const Job* a, const Job* b) { return a->index > b->index; });
   }
-  for (const Job* job : order) step_job(*job, coef);
+  size_t done = 0;
+  try {
+    for (; done < order.size(); ++done) step_job(*order[done], coef);
+  } catch (...) {  // the failing step and those after it are dropped: not pending any more
+    {
+      std::lock_guard<std::mutex> lock(sync_->mu);
+      for (size_t k = done; k < order.size(); ++k) settle_dropped(*order[k]);
+    }
+    throw;
+  }
   std::lock_guard<std::mutex> lock(sync_->mu);
   ++stats_.iterations;
   stats_.grad_norm = grad_norm;
@@ -408,48 +453,69 @@ void HostOffload::step_job(const Job& job, std::optional<double> grad_scale) {
     std::lock_guard<std::mutex> lock(sync_->mu);
     ++stats_.buckets;
     stepped_[job.index] = job.sequence;
-    if (on_gpu_) copied_back_[job.index] = events_->record(*h2d_stream_);
+    if (on_gpu_) copied_back_[job.index] = events_->record(*h2d_stream_);  // (a pooled event)
   }
   sync_->cv.notify_all();  // (wait_stepped: also within an iteration's held steps)
 }
 
 void HostOffload::copy_back(const Job& job, const at::Tensor& weights) {
   const Bucket& layout = job.layout;
-  at::Tensor source = weights;
-  std::optional<StreamScope> guard;
-  if (on_gpu_) {  // one flat copy over PCIe, then one launch scatters it into the parameters
-    guard.emplace(*h2d_stream_);
-    // The bucket's own dtype: a model's buckets differ (bf16 weights, float32 norms).
-    const at::Tensor& member = params_[static_cast<size_t>(layout.params.front())];
-    source = at::empty({extent(job.index)}, member.options().requires_grad(false));
-    source.copy_(weights, /*non_blocking=*/true);
-  }
-  // What this rank stepped of each member: the parameter, or sharded its piece (their regions
-  // of `source` are consecutive from its start, in slot order, either way).
-  std::vector<at::Tensor> targets;
+  // What this rank stepped of each member: the parameter, or sharded its piece, and where it
+  // lies in the bucket's host buffers (their regions are consecutive from the start, in slot
+  // order, either way). Members not stepped (unused) keep their values.
+  struct Stepped {
+    at::Tensor target;
+    int64_t offset;  // in `weights`
+    size_t param;
+  };
   std::vector<at::Tensor> present;
+  std::vector<Stepped> stepped;
   bool all = true;
   for (size_t s = 0; s < layout.params.size(); ++s) {
     const auto p = static_cast<size_t>(layout.params[s]);
-    targets.push_back(part(p, params_[p]));
-    if (!targets.back().defined()) continue;
+    at::Tensor target = part(p, params_[p]);
+    if (!target.defined()) continue;
+    present.push_back(target);
     all = all && job.mask[s];
-    present.push_back(targets.back());
+    if (!job.mask[s]) continue;
+    const int64_t offset =
+        shards_.empty() ? layout.offsets[s]
+                        : shards_[job.index].pieces[static_cast<size_t>(piece_of_[p])].shard_offset;
+    stepped.push_back({std::move(target), offset, p});
   }
-  if (all) {
-    unflatten_from(source, present);
-  } else {
-    for (size_t s = 0; s < targets.size(); ++s) {
-      // not stepped (unused): the parameter keeps its value
-      if (!job.mask[s] || !targets[s].defined()) continue;
-      targets[s].copy_(slot(static_cast<size_t>(layout.params[s]), source));
+  // The device's part, in the host-to-device stream's order: one flat copy over PCIe, then one
+  // launch scatters it into the parameters. It owns what it reads (a lagging stream of the
+  // host-ordering seam runs it later, on its own thread: streams.h).
+  const at::Tensor& member = params_[static_cast<size_t>(layout.params.front())];
+  const int64_t numel = extent(job.index);
+  const at::TensorOptions options = member.options().requires_grad(false);  // the bucket's dtype
+  auto write = [on_gpu = on_gpu_, weights, numel, options, all, present, stepped] {
+    // (the version counters are bumped below, when the copy is queued, as a GPU's would be:
+    // a lagging stream of the seam runs this later)
+    at::AutoDispatchBelowADInplaceOrView no_version_bump;
+    at::Tensor source = weights;
+    if (on_gpu) {
+      source = at::empty({numel}, options);
+      source.copy_(weights, /*non_blocking=*/true);
     }
+    if (all) {
+      unflatten_from(source, present);
+      return;
+    }
+    for (const Stepped& member : stepped) {
+      const at::Tensor& target = member.target;
+      target.copy_(source.narrow(0, member.offset, target.numel()).view(target.sizes()));
+    }
+  };
+  if (on_gpu_) {
+    run_on(*h2d_stream_, std::move(write));
+  } else {
+    write();
   }
-  for (size_t s = 0; s < targets.size(); ++s) {
-    if (!job.mask[s] || !targets[s].defined()) continue;
+  for (const Stepped& member : stepped) {
     // As an in-place op does: autograd then knows tensors it saved from the parameter are stale.
-    if (all) torch::autograd::impl::bump_version(targets[s]);
-    versions_[static_cast<size_t>(layout.params[s])] = targets[s]._version();  // (shared)
+    torch::autograd::impl::bump_version(member.target);
+    versions_[member.param] = member.target._version();  // (shared with the parameter)
   }
 }
 

@@ -160,6 +160,10 @@ class HostOffload {
   // too, if `host_too`); rethrows (once) an error the worker met. The worker may still be
   // summing no_sync() micro-batches (HostAccumulator), which no forward reads.
   void follow_copies(bool host_too = false);
+  // GPU: the current stream waits for the copies back queued so far (the host does not wait;
+  // an error stays for wait()). Called after pending(), it orders a forward after the copies
+  // back of every bucket pending() did not list: stepped, but maybe still being copied.
+  void order_after_copies();
   // The buckets were rebuilt (worker idle): state and float32 masters move to the new layout,
   // the other host buffers are dropped.
   void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);
@@ -177,14 +181,19 @@ class HostOffload {
   // Runs `task` on the worker after the jobs queued before it, once `copied` (if any) is done:
   // HostAccumulator's additions.
   void post_after(EventPool::Handle copied, std::function<void()> task);
-  // Blocks until the worker is idle (no stream ordering; an error stays for wait()).
-  void drain();
+  // Blocks until `done()` holds, asked whenever the worker finished a job (and first), or the
+  // worker is idle or stopped (no stream ordering; an error stays for wait()). The jobs queued
+  // after the one that makes `done()` hold are not waited for.
+  void wait_until(const std::function<bool()>& done);
   // From now on (before the first submit) steps wait for end_iteration(), as with clipping.
   void hold_steps() { hold_ = true; }
   // Tests: the worker sleeps `seconds` before each step, and each HostAccumulator addition,
   // from now on (0: not).
   void delay_steps(double seconds) { step_delay_ = seconds; }
   double step_delay() const { return step_delay_; }
+  // Tests, under host ordering (streams.h): the copies back run `seconds` after the worker
+  // queued them, on the host-to-device stream's own thread, as a GPU's may.
+  void delay_copies_back(double seconds);
 
   // Worker idle (after wait(true)) for the rest.
   FusedOptimizer& optimizer() { return *optimizer_; }
@@ -240,6 +249,8 @@ class HostOffload {
   // The updated `weights` of the job's bucket into the parameters of the slots it stepped.
   void copy_back(const Job& job, const at::Tensor& weights);
   void finish_iteration(bool completed, std::optional<double> total);
+  // A step job dropped unstepped (with sync_->mu held): its bucket is no longer pending.
+  void settle_dropped(const Job& job);
   bool low_precision(size_t p) const { return params_[p].scalar_type() != at::kFloat; }
   bool holds() const { return hold_ || options_.max_grad_norm.has_value(); }
   // Parameter p's master, allocated at first use: a view into its bucket's `weights` (float32)
@@ -297,12 +308,13 @@ class HostOffload {
   OffloadStats stats_;     // counters (the byte counts are filled in by stats())
   std::vector<Job> held_;  // clipping: stepped once the norm is known
   // wait_stepped(): per bucket, the sequence of its last submit (the caller's, under the
-  // Reducer's lock); per bucket the last sequence stepped and, GPU, its last copy back (mu).
-  // (Per bucket: last_bucket_first steps the jobs out of submission order.)
+  // Reducer's lock); per bucket the last sequence stepped, or dropped unstepped (an abandoned
+  // iteration, an error), and, GPU, its last copy back (mu). (Per bucket: last_bucket_first
+  // steps the jobs out of submission order.)
   int64_t submitted_ = 0;
   std::vector<int64_t> last_submit_;
   std::vector<int64_t> stepped_;
-  std::vector<EventPool::Handle> copied_back_;
+  std::vector<std::shared_ptr<const PooledEvent>> copied_back_;  // (shared: waited for unlocked)
   double sum_squares_ = 0;  // clipping: of the buckets of this iteration so far
   std::thread worker_;
 };

@@ -239,8 +239,12 @@ class Reducer {
   // offload_to_cpu: the buckets whose host steps are not done yet (the worker's, not the
   // device's); empty otherwise, once the worker met an error (wait_for_steps raises it), and
   // where the next forward waits for the worker anyway (it rebuilds the buckets, or winds up
-  // a backward that raised).
-  std::vector<int64_t> pending_steps() const;
+  // a backward that raised). A bucket whose step was dropped (an abandoned backward, the NaN
+  // check) is not pending. With `follow_copies` (the forward's call) and something pending, on
+  // a GPU the current stream is then ordered after every copy back queued so far (one event,
+  // the host does not wait): the buckets not listed were stepped, but their copies back to the
+  // device may still run, and the forward reads them without a wait of its own.
+  std::vector<int64_t> pending_steps(bool follow_copies = false) const;
   // The next forward where pending_steps() is empty: as wait_for_steps(false), except that with
   // offload_to_cpu and no host step pending the host does not wait for the worker (it may be
   // summing no_sync() micro-batches); an error it met is rethrown, and on a GPU the current
@@ -251,8 +255,15 @@ class Reducer {
   // pending bucket as it reads the bucket's parameters.
   void wait_for_bucket(int64_t index);
   // Tests: the host worker sleeps `seconds` before each host step and each addition of a
-  // no_sync() micro-batch (accumulate_on_host) from now on (0: not).
-  void delay_host_steps(double seconds);
+  // no_sync() micro-batch (accumulate_on_host) from now on (0: not); with `additions`, before
+  // each addition of bucket b `additions[b]` seconds instead.
+  void delay_host_steps(double seconds, std::optional<std::vector<double>> additions);
+  // Tests, offload_to_cpu under host ordering (streams.h): the copies back to the parameters
+  // run `seconds` after the worker queued them, as a GPU's may.
+  void delay_copies_back(double seconds);
+  // Tests, offload_to_cpu on a GPU: the stream the copies back run on (work a test queues there
+  // delays them), as (stream id, device index, device type); none without one.
+  std::optional<std::tuple<int64_t, int64_t, int64_t>> copy_back_stream() const;
   // accumulate_on_host: drops the no_sync() micro-batches' gradients summed on the host
   // (zero_grad() during an accumulation); a no-op otherwise.
   void discard_host_gradients();

@@ -133,13 +133,16 @@ void Reducer::wait_for_steps(bool host_too) {
   wait_idle(host_too);
 }
 
-std::vector<int64_t> Reducer::pending_steps() const {
+std::vector<int64_t> Reducer::pending_steps(bool follow_copies) const {
   std::lock_guard<std::mutex> lock(mu_);
   HostOffload* host = host_offload();
   // A forward that winds up an unfinished backward or rebuilds the buckets waits for the
   // worker there anyway (prepare_for_forward, rebuild_buckets): nothing to wait for per bucket.
   if (!host || armed_ || rebuild_due()) return {};
-  return host->pending();
+  std::vector<int64_t> pending = host->pending();
+  // (nothing pending: the forward calls follow_steps(), which orders it after every copy back)
+  if (follow_copies && !pending.empty()) host->order_after_copies();
+  return pending;
 }
 
 void Reducer::follow_steps() {
@@ -160,11 +163,32 @@ void Reducer::wait_for_bucket(int64_t index) {
   host->wait_stepped(static_cast<size_t>(index));
 }
 
-void Reducer::delay_host_steps(double seconds) {
+void Reducer::delay_host_steps(double seconds, std::optional<std::vector<double>> additions) {
   std::lock_guard<std::mutex> lock(mu_);
   HostOffload* host = host_offload();
   TORCH_CHECK(host, "Reducer::delay_host_steps: only with offload_to_cpu");
   host->delay_steps(seconds);
+  HostAccumulator* acc = accumulator();
+  TORCH_CHECK(acc || !additions,
+              "Reducer::delay_host_steps: additions only with accumulate_on_host");
+  if (acc) acc->delay_additions(additions.value_or(std::vector<double>{}));
+}
+
+std::optional<std::tuple<int64_t, int64_t, int64_t>> Reducer::copy_back_stream() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  HostOffload* host = host_offload();
+  if (!host || !host->on_gpu()) return std::nullopt;
+  const c10::Stream stream = host->h2d_stream();
+  return std::make_tuple(static_cast<int64_t>(stream.id()),
+                         static_cast<int64_t>(stream.device_index()),
+                         static_cast<int64_t>(stream.device_type()));
+}
+
+void Reducer::delay_copies_back(double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HostOffload* host = host_offload();
+  TORCH_CHECK(host, "Reducer::delay_copies_back: only with offload_to_cpu");
+  host->delay_copies_back(seconds);
 }
 
 OffloadStats Reducer::offload_stats() const {

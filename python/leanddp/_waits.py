@@ -65,15 +65,15 @@ class Waits:
             handle.remove()
         self._handles = []
 
-    def begin(self, compiling: bool) -> ReadWaits | None:
+    def begin(self, pending: Sequence[int], compiling: bool) -> ReadWaits | None:
         """At the wrapper's forward, before the module: the mode that waits per bucket for the
-        host steps still pending, or None where the caller must wait for all of them (nothing
-        pending, or torch functions may not be seen: ``compiling``, a compiled or scripted
-        submodule)."""
+        host steps ``pending`` (the Reducer's ``pending_steps``, which ordered the forward after
+        the copies back of the other buckets), or None where the caller must wait for all of
+        them (nothing pending, or torch functions may not be seen: ``compiling``, a compiled or
+        scripted submodule)."""
         reducer = self._reducer()
         if reducer is None:
             return None
-        pending = reducer.pending_steps()
         if not pending or compiling or _opaque(self._module):
             return None
         layout = reducer.bucket_indices()

@@ -285,8 +285,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         # Last step's weights are in place; offload_to_cpu: host steps still pending are waited
         # for as the module reads them (self._waits.begin below).
         self._step_error = None
-        pending = self._in_backward is not None and bool(self.reducer.pending_steps())
-        if self._in_backward is not None and not pending:
+        # (the buckets not pending were stepped: the current stream is ordered after their
+        # copies back here, which may still run on a GPU)
+        in_backward = self._in_backward is not None
+        pending = self.reducer.pending_steps(follow_copies=True) if in_backward else []
+        if in_backward and not pending:
             self._wait_for_steps(self.reducer.follow_steps)
         if grad_enabled:
             try:
@@ -302,7 +305,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 self._in_backward.before_forward(adopt=not pending)
         if self.will_sync_module_buffers():
             self._sync_buffers()
-        waits = self._waits.begin(compiling) if pending else None
+        waits = self._waits.begin(pending, compiling) if pending else None
         if pending and waits is None:
             self._wait_for_steps()
         return waits

@@ -145,6 +145,60 @@ def test_a_no_sync_forward_does_not_wait_for_the_host_sums(shard: bool) -> None:
     run_ranks(2, _no_wait_for_the_sums, shard)
 
 
+LONG = 0.5  # seconds the last bucket's addition of a no_sync() micro-batch takes
+SHORT = 0.4  # seconds each job queued after it takes
+
+
+def _own_addition_only(rank: int, world_size: int, sync: bool) -> None:
+    run = InBackwardLockStep(  # (four buckets)
+        Net(rank=rank, f64=False), OPTIMIZERS["adamw"], offload=True, bucket_cap_mb=0.0001
+    )
+    _train(run, "warmup", accum=2)
+    reducer = run.ours.reducer
+    n = len(reducer.bucket_indices())
+    assert n >= 4, f"{n} buckets: no job queued between the last one's and its next use"
+    for step in range(STEPS):
+        x, y = torch.randn(BATCH, 12), torch.randn(BATCH, 12)
+        # the last bucket's sum of micro-batch x is still being added (LONG) when micro-batch y
+        # reaches that bucket; the jobs queued behind it meanwhile each take SHORT: the host
+        # steps of y's other buckets (sync), or their additions of y (not sync)
+        reducer._delay_host_steps(0, additions=[0.0] * (n - 1) + [LONG])
+        for ddp in (run.ref, run.ours):
+            _micro_batch(ddp, x, sync=False)
+        if sync:
+            reducer._delay_host_steps(SHORT, additions=[0.0] * n)
+        else:
+            reducer._delay_host_steps(0, additions=[SHORT] * (n - 1) + [0.0])
+        _micro_batch(run.ref, y, sync=sync)
+        with contextlib.nullcontext() if sync else run.ours.no_sync():
+            loss = run.ours(y).square().mean()
+            start = time.perf_counter()
+            loss.backward()
+            took = time.perf_counter() - start
+        what = f"sync={sync} step {step}: the backward took {took:.3f} s"
+        assert took < LONG + 1.5 * SHORT, what  # (waiting for the jobs after it: 2 SHORT more)
+        reducer._delay_host_steps(0, additions=[0.0] * n)
+        if not sync:  # the step's synchronized micro-batch
+            z = torch.randn(BATCH, 12)
+            for ddp in (run.ref, run.ours):
+                _micro_batch(ddp, z, sync=True)
+        run.ref_opt.step()
+        run.ref_opt.zero_grad()
+        for sched in run.scheds:
+            sched.step()
+        _assert_equal(run, what)
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["add", "launch"])
+def test_a_bucket_waits_for_its_own_addition_only(sync: bool) -> None:
+    """Inside backward, a bucket whose last addition on the host is not done waits for that
+    addition only, not for the jobs the worker got after it (on a GPU: the copies and
+    additions of the buckets before it, the host steps of this backward, and the device
+    behind them). ``add``: a no_sync() micro-batch's copy of the bucket to the host; ``launch``:
+    the synchronized micro-batch's launch of the bucket, which fetches its sum."""
+    run_ranks(2, _own_addition_only, sync)
+
+
 def _against_device_accumulation(model: nn.Module, dtype: torch.dtype, what: str) -> None:
     """``model`` trained with accumulate_on_host and without (torch's accumulation, by autograd
     on the device): equal bit for bit after every step; nothing on the device in between."""
