@@ -47,13 +47,15 @@
 # Expected on one H100 with 16 cores (estimates, not yet measured; the step table and pytest's
 # --durations record the real times):
 #   build  1-3 minutes, one architecture (skipped when nothing changed: not on a fresh machine)
-#   tests  pytest ~3-4 min: 25 process groups started (23 in test_cuda_ddp.py, ~5 s each for
-#          spawn, CUDA and NCCL start), ~1 min in their bodies, ~30 s for the op tests' ~100
-#          CUDA cases; the three sanitizer runs share what is left of TESTS_BUDGET_S, counted
-#          from the start with the build (each capped at SANITIZER_MAX_S, at least
-#          SANITIZER_MIN_S, pytest capped so that three of those fit). With a 3-minute build
-#          pytest gets 570 - 180 - 180 = 210 s: if its timeout cuts it, run `tests` again on the
-#          same warm machine (the build is then skipped) or split the call
+#   tests  pytest ~3-4 min: 28 process groups started (25 in test_cuda_ddp.py, ~5 s each for
+#          spawn, CUDA and NCCL start), ~1.5 min in their bodies (the 256 MiB embedding read
+#          the moment its copy back is queued, test_forward_waits.py, ~15 s of them), ~30 s
+#          for the op tests' ~100 CUDA cases; the three sanitizer runs share what is left of
+#          TESTS_BUDGET_S, counted from the start with the build (each capped at
+#          SANITIZER_MAX_S, at least SANITIZER_MIN_S, pytest capped so that three of those
+#          fit). With a 3-minute build pytest gets 570 - 180 - 180 = 210 s: if its timeout
+#          cuts it, run `tests` again on the same warm machine (the build is then skipped) or
+#          split the call
 #   bench  ~4-5 minutes: memory_timeline ~40 s, step_time ~2.5-3.5 min, bench_ops ~30 s,
 #          report ~5 s
 # Every step runs even when an earlier one failed; exit status 1 when any failed, 2 on bad usage.
