@@ -149,8 +149,10 @@ void Reducer::ensure_allocated(size_t bucket_index) {
     if (auto reused = recycler_->take(std::max(bucket.numel, bucket.padded_numel), like,
                                       current_stream(like.device()), allocated_buckets_)) {
       storage = std::move(reused->storage);
-      reuses_.emplace_back(static_cast<int64_t>(bucket_index), static_cast<int64_t>(reused->giver),
-                           reused->waits);
+      if (reuses_.size() < 4 * buckets_.size()) {  // (bounded: no_sync() backwards add to it)
+        reuses_.emplace_back(static_cast<int64_t>(bucket_index),
+                             static_cast<int64_t>(reused->giver), reused->waits);
+      }
     }
   }
   allocate_bucket(bucket, params_, /*zeroed=*/false, storage);

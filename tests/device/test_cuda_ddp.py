@@ -493,7 +493,7 @@ def _hook_overlap(rank: int, world_size: int) -> None:
         ddp(x).square().mean().backward()
         reuses = ddp.reducer._recycler_reuses()
         what = f"iteration {i}: (bucket, reused bucket, waits) {reuses}"
-        assert len(reuses) >= len(ddp.module.layers) - 2, what
+        assert len(reuses) >= len(ddp.module.layers) - 3, what  # (at most 3 buffers new)
         assert all(not waits or bucket - giver >= 2 for bucket, giver, waits in reuses), what
         assert ddp.memory_stats()["max_buckets_in_flight"] <= _C.BUCKETS_IN_FLIGHT, what
 
