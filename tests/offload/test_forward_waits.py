@@ -141,6 +141,9 @@ def test_cuda_forward_waits_per_bucket_on_a_shared_gpu() -> None:
 
 
 COPY_LAG = 0.5  # seconds a copy back runs after the worker queued it (host ordering)
+#: seconds the worker sleeps before each host step where a test polls pending_steps(): after
+#: the first bucket's step, the next stays pending at least this long, poll and load included
+PENDING_DELAY = 0.3
 
 
 def _first_read_bucket(run: InBackwardLockStep) -> int:
@@ -190,7 +193,7 @@ def _copies_back_lag(rank: int, world_size: int) -> None:
         )
     )
     assert len(run.ours.reducer.bucket_indices()) >= 4, "one bucket: nothing to order"
-    run.ours.reducer._delay_host_steps(DELAY)  # later buckets stay pending for a while
+    run.ours.reducer._delay_host_steps(PENDING_DELAY)  # later buckets stay pending a while
     run.ours.reducer._delay_copies_back(COPY_LAG)  # each copy back lands COPY_LAG s later
     asked = _forward_at_the_first_bucket(run, "copies back lagging", "cpu")
     assert asked == STEPS - 2, f"later buckets were not pending in {STEPS - 2 - asked} steps"
@@ -280,7 +283,7 @@ def _cuda_first_bucket(rank: int, world_size: int) -> None:
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     torch.use_deterministic_algorithms(True)
     run = _GpuRun(_BigEmbedding().cuda())
-    run.ours.reducer._delay_host_steps(DELAY)  # later buckets stay pending for a while
+    run.ours.reducer._delay_host_steps(PENDING_DELAY)  # later buckets stay pending a while
     stream_id, index, kind = run.ours.reducer._copy_back_stream()
     copies_back = torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=kind)
 
