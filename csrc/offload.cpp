@@ -243,7 +243,13 @@ void HostOffload::wait_stepped(size_t index) {
              (queue_.empty() && !sync_->busy);
     });
     stats_.wait_seconds += seconds_since(start);
-    copied = copied_back_[index];
+    // After an error the bucket's last step may have failed part-way, its copy back queued but
+    // not its event: follow every copy back queued so far instead.
+    if (on_gpu_ && (error_ || sync_->stop)) {
+      copied = events_->record(*h2d_stream_);
+    } else {
+      copied = copied_back_[index];
+    }
   }
   // (outside the lock: the worker goes on publishing steps; kept alive here if it records a
   // newer copy back meanwhile)
@@ -262,15 +268,15 @@ void HostOffload::wait(bool host_too) {
 }
 
 void HostOffload::follow_copies(bool host_too) {
+  if (on_gpu_) {  // (first: if it raises, the worker's error stays for the next wait)
+    const EventPool::Handle copied = events_->record(*h2d_stream_);
+    copied->block(current_stream(params_[0].device()));
+    if (host_too) copied->synchronize();
+  }
   std::exception_ptr error;
   {
     std::lock_guard<std::mutex> lock(sync_->mu);
     std::swap(error, error_);
-  }
-  if (on_gpu_) {
-    const EventPool::Handle copied = events_->record(*h2d_stream_);
-    copied->block(current_stream(params_[0].device()));
-    if (host_too) copied->synchronize();
   }
   if (error) std::rethrow_exception(error);
 }
@@ -386,7 +392,7 @@ void HostOffload::settle_dropped(const Job& job) {
 }
 
 void HostOffload::finish_iteration(bool completed, std::optional<double> total) {
-  const std::vector<Job> held = std::exchange(held_, {});
+  std::vector<Job> held = std::exchange(held_, {});
   const double sum_squares = std::exchange(sum_squares_, 0.0);
   if (!completed) {  // held buckets are dropped unstepped: not pending any more
     {
@@ -402,8 +408,8 @@ void HostOffload::finish_iteration(bool completed, std::optional<double> total) 
     grad_norm = std::sqrt(total.value_or(sum_squares));
     coef = clip_coefficient(grad_norm, *options_.max_grad_norm);
   }
-  std::vector<const Job*> order;
-  for (const Job& job : held) order.push_back(&job);
+  std::vector<Job*> order;
+  for (Job& job : held) order.push_back(&job);
   if (options_.last_bucket_first) {
     std::stable_sort(order.begin(), order.end(),
                      [](const Job* a, const Job* b) { return a->index > b->index; });
@@ -411,11 +417,10 @@ void HostOffload::finish_iteration(bool completed, std::optional<double> total) 
   size_t done = 0;
   try {
     for (; done < order.size(); ++done) step_job(*order[done], coef);
-  } catch (...) {  // the failing step and those after it are dropped: not pending any more
-    {
-      std::lock_guard<std::mutex> lock(sync_->mu);
-      for (size_t k = done; k < order.size(); ++k) settle_dropped(*order[k]);
-    }
+  } catch (...) {
+    // The failing step and those after it are dropped: back to held_, which the worker's error
+    // branch settles (not pending any more) under the lock that publishes the error.
+    for (size_t k = done; k < order.size(); ++k) held_.push_back(std::move(*order[k]));
     throw;
   }
   std::lock_guard<std::mutex> lock(sync_->mu);
@@ -450,10 +455,13 @@ void HostOffload::step_job(const Job& job, std::optional<double> grad_scale) {
   optimizer_->step(job.index, layout, job.mask, targets);
   copy_back(job, weights);
   {
+    // (recorded first: a bucket is published stepped together with the event of its copy)
+    std::shared_ptr<const PooledEvent> copied;
+    if (on_gpu_) copied = events_->record(*h2d_stream_);  // (a pooled event)
     std::lock_guard<std::mutex> lock(sync_->mu);
     ++stats_.buckets;
     stepped_[job.index] = job.sequence;
-    if (on_gpu_) copied_back_[job.index] = events_->record(*h2d_stream_);  // (a pooled event)
+    if (copied) copied_back_[job.index] = std::move(copied);
   }
   sync_->cv.notify_all();  // (wait_stepped: also within an iteration's held steps)
 }
@@ -490,8 +498,8 @@ void HostOffload::copy_back(const Job& job, const at::Tensor& weights) {
   const int64_t numel = extent(job.index);
   const at::TensorOptions options = member.options().requires_grad(false);  // the bucket's dtype
   auto write = [on_gpu = on_gpu_, weights, numel, options, all, present, stepped] {
-    // (the version counters are bumped below, when the copy is queued, as a GPU's would be:
-    // a lagging stream of the seam runs this later)
+    // (the version counters were bumped when the copy was queued, as a GPU's would be: a
+    // lagging stream of the seam runs this later)
     at::AutoDispatchBelowADInplaceOrView no_version_bump;
     at::Tensor source = weights;
     if (on_gpu) {
@@ -507,15 +515,16 @@ void HostOffload::copy_back(const Job& job, const at::Tensor& weights) {
       target.copy_(source.narrow(0, member.offset, target.numel()).view(target.sizes()));
     }
   };
+  for (const Stepped& member : stepped) {
+    // As an in-place op does: autograd then knows tensors it saved from the parameter are stale
+    // (before the write: a write that fails part-way has bumped them all).
+    torch::autograd::impl::bump_version(member.target);
+    versions_[member.param] = member.target._version();  // (shared with the parameter)
+  }
   if (on_gpu_) {
     run_on(*h2d_stream_, std::move(write));
   } else {
     write();
-  }
-  for (const Stepped& member : stepped) {
-    // As an in-place op does: autograd then knows tensors it saved from the parameter are stale.
-    torch::autograd::impl::bump_version(member.target);
-    versions_[member.param] = member.target._version();  // (shared with the parameter)
   }
 }
 

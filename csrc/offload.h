@@ -140,8 +140,9 @@ class HostOffload {
   // allocated if missing, so that every rank has one to gather).
   at::Tensor masters_block(size_t b);
   // Blocks until the worker has stepped bucket `index` (its last submit) and queued the copy
-  // back; then, on a GPU, the current stream waits for that copy only (the host does not). The
-  // time blocked counts as waited (stats). An error the worker met is left for wait().
+  // back; then, on a GPU, the current stream waits for that copy only (the host does not; after
+  // an error, for every copy back queued so far). The time blocked counts as waited (stats). An
+  // error the worker met is left for wait().
   void wait_stepped(size_t index);
   // The buckets submitted and not stepped yet (wait_stepped() would block for them), in index
   // order; none while the worker is idle (a job dropped by an abandoned iteration or an error is

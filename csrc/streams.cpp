@@ -48,12 +48,12 @@ class Lane {
     std::lock_guard<std::mutex> lock(mu_);
     return done_ >= ticket;
   }
-  // Blocks until the pieces up to `ticket` ran; rethrows the first error one of them raised
-  // (as a device reports an error to the waits that follow it).
+  // Blocks until the pieces up to `ticket` ran; rethrows an error one of them raised, once (the
+  // first wait that covers it reports it).
   void wait(int64_t ticket) const {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return done_ >= ticket; });
-    if (error_ && error_piece_ <= ticket) std::rethrow_exception(error_);
+    if (error_ && error_piece_ <= ticket) std::rethrow_exception(std::exchange(error_, nullptr));
   }
 
  private:
@@ -89,7 +89,7 @@ class Lane {
   int64_t queued_ = 0;
   int64_t done_ = 0;
   double lag_;
-  std::exception_ptr error_;  // the first piece that raised, and its number
+  mutable std::exception_ptr error_;  // a piece that raised (not reported yet), and its number
   int64_t error_piece_ = 0;
 };
 
