@@ -235,6 +235,7 @@ void HostOffload::delay_copies_back(double seconds) {
 void HostOffload::wait_stepped(size_t index) {
   const auto start = std::chrono::steady_clock::now();
   std::shared_ptr<const PooledEvent> copied;
+  bool failed = false;
   {
     std::unique_lock<std::mutex> lock(sync_->mu);
     // (a failed or stopped worker dropped its jobs: the queue is empty then)
@@ -243,16 +244,13 @@ void HostOffload::wait_stepped(size_t index) {
              (queue_.empty() && !sync_->busy);
     });
     stats_.wait_seconds += seconds_since(start);
-    // After an error the bucket's last step may have failed part-way, its copy back queued but
-    // not its event: follow every copy back queued so far instead.
-    if (on_gpu_ && (error_ || sync_->stop)) {
-      copied = events_->record(*h2d_stream_);
-    } else {
-      copied = copied_back_[index];
-    }
+    failed = error_ || sync_->stop;
+    copied = copied_back_[index];
   }
-  // (outside the lock: the worker goes on publishing steps; kept alive here if it records a
-  // newer copy back meanwhile)
+  // (outside the lock: the worker goes on publishing steps; `copied` stays alive here if it
+  // records a newer copy back meanwhile) After an error the bucket's last step may have failed
+  // part-way, its copy back queued but not its event: follow every copy back queued so far.
+  if (failed) return order_after_copies();
   if (on_gpu_ && copied) copied->block(current_stream(params_[0].device()));
 }
 
@@ -268,11 +266,7 @@ void HostOffload::wait(bool host_too) {
 }
 
 void HostOffload::follow_copies(bool host_too) {
-  if (on_gpu_) {  // (first: if it raises, the worker's error stays for the next wait)
-    const EventPool::Handle copied = events_->record(*h2d_stream_);
-    copied->block(current_stream(params_[0].device()));
-    if (host_too) copied->synchronize();
-  }
+  order_after_copies(host_too);  // (first: if it raises, the worker's error stays for the next)
   std::exception_ptr error;
   {
     std::lock_guard<std::mutex> lock(sync_->mu);
@@ -281,11 +275,13 @@ void HostOffload::follow_copies(bool host_too) {
   if (error) std::rethrow_exception(error);
 }
 
-void HostOffload::order_after_copies() {
+void HostOffload::order_after_copies(bool host_too) {
   if (!on_gpu_) return;
   // (recorded after the caller read pending(): every bucket stepped by then had its copy back
   // queued before its step was published, so this event follows it)
-  events_->record(*h2d_stream_)->block(current_stream(params_[0].device()));
+  const EventPool::Handle copied = events_->record(*h2d_stream_);
+  copied->block(current_stream(params_[0].device()));
+  if (host_too) copied->synchronize();
 }
 
 void HostOffload::run_worker(const std::shared_ptr<Sync>& sync) {
@@ -332,7 +328,7 @@ void HostOffload::run_worker(const std::shared_ptr<Sync>& sync) {
     stats_.step_seconds += seconds_since(start);
     if (error) {
       error_ = error;
-      if (step) stepped_[index] = std::max(stepped_[index], sequence);
+      if (step) settle(index, sequence);
       for (const Job& dropped : queue_) settle_dropped(dropped);
       for (const Job& dropped : held_) settle_dropped(dropped);
       queue_.clear();
@@ -387,8 +383,11 @@ double HostOffload::held_sum_squares() const {
 }
 
 void HostOffload::settle_dropped(const Job& job) {
-  if (job.task || job.end) return;
-  stepped_[job.index] = std::max(stepped_[job.index], job.sequence);
+  if (!job.task && !job.end) settle(job.index, job.sequence);
+}
+
+void HostOffload::settle(size_t index, int64_t sequence) {
+  stepped_[index] = std::max(stepped_[index], sequence);
 }
 
 void HostOffload::finish_iteration(bool completed, std::optional<double> total) {

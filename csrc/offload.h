@@ -161,10 +161,10 @@ class HostOffload {
   // too, if `host_too`); rethrows (once) an error the worker met. The worker may still be
   // summing no_sync() micro-batches (HostAccumulator), which no forward reads.
   void follow_copies(bool host_too = false);
-  // GPU: the current stream waits for the copies back queued so far (the host does not wait;
-  // an error stays for wait()). Called after pending(), it orders a forward after the copies
-  // back of every bucket pending() did not list: stepped, but maybe still being copied.
-  void order_after_copies();
+  // GPU: the current stream waits for the copies back queued so far (and the host too, if
+  // `host_too`; an error stays for wait()). Called after pending(), it orders a forward after
+  // the copies back of every bucket pending() did not list: stepped, maybe still being copied.
+  void order_after_copies(bool host_too = false);
   // The buckets were rebuilt (worker idle): state and float32 masters move to the new layout,
   // the other host buffers are dropped.
   void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);
@@ -250,8 +250,10 @@ class HostOffload {
   // The updated `weights` of the job's bucket into the parameters of the slots it stepped.
   void copy_back(const Job& job, const at::Tensor& weights);
   void finish_iteration(bool completed, std::optional<double> total);
-  // A step job dropped unstepped (with sync_->mu held): its bucket is no longer pending.
+  // A step job dropped unstepped (with sync_->mu held): its bucket is no longer pending
+  // (`settle` of its bucket and sequence; other jobs are ignored).
   void settle_dropped(const Job& job);
+  void settle(size_t index, int64_t sequence);
   bool low_precision(size_t p) const { return params_[p].scalar_type() != at::kFloat; }
   bool holds() const { return hold_ || options_.max_grad_norm.has_value(); }
   // Parameter p's master, allocated at first use: a view into its bucket's `weights` (float32)
