@@ -232,18 +232,24 @@ void HostOffload::delay_copies_back(double seconds) {
   set_stream_lag(*h2d_stream_, seconds);
 }
 
-void HostOffload::wait_stepped(size_t index) {
+void HostOffload::block_until(std::unique_lock<std::mutex>& lock,
+                              const std::function<bool()>& ready) {
+  if (ready()) return;
   const auto start = std::chrono::steady_clock::now();
+  sync_->cv.wait(lock, ready);
+  stats_.wait_seconds += seconds_since(start);
+}
+
+void HostOffload::wait_stepped(size_t index) {
   std::shared_ptr<const PooledEvent> copied;
   bool failed = false;
   {
     std::unique_lock<std::mutex> lock(sync_->mu);
     // (a failed or stopped worker dropped its jobs: the queue is empty then)
-    sync_->cv.wait(lock, [&] {
+    block_until(lock, [&] {
       return stepped_[index] >= last_submit_[index] || error_ || sync_->stop ||
              (queue_.empty() && !sync_->busy);
     });
-    stats_.wait_seconds += seconds_since(start);
     failed = error_ || sync_->stop;
     copied = copied_back_[index];
   }
@@ -255,11 +261,9 @@ void HostOffload::wait_stepped(size_t index) {
 }
 
 void HostOffload::wait(bool host_too) {
-  const auto start = std::chrono::steady_clock::now();
   {
     std::unique_lock<std::mutex> lock(sync_->mu);
-    sync_->cv.wait(lock, [&] { return queue_.empty() && !sync_->busy; });
-    stats_.wait_seconds += seconds_since(start);
+    block_until(lock, [&] { return queue_.empty() && !sync_->busy; });
   }
   // (the worker is idle and only the caller queues jobs: no error can come between the two)
   follow_copies(host_too);

@@ -235,6 +235,11 @@ class HostOffload {
     at::Tensor masters;  // bf16/fp16 buckets: float32, ordinary memory
   };
 
+  // Waits on the worker's condition until `ready()` holds (under `lock`, of sync_->mu); the
+  // time is added to stats_.wait_seconds only where the caller was blocked (ready() false at
+  // first), so that a wait with nothing to wait for counts nothing.
+  void block_until(std::unique_lock<std::mutex>& lock, const std::function<bool()>& ready);
+
   // The synchronization the worker shares with its owner: co-owned by the worker thread, so it
   // outlives this object if the worker is the one destroying it (see shutdown()).
   struct Sync {

@@ -66,6 +66,9 @@ def _parity(rank: int, world_size: int, names: list[str], max_grad_norm: float |
             assert clipped == (STEPS if max_grad_norm < 1 else 0), clipped
         stats = run.ours.offload_stats()
         assert stats["iterations"] == STEPS and stats["buckets"] >= STEPS
+        for _ in range(10):  # the worker is idle (the state was read): nothing is waited for
+            run.ours.synchronize()
+        assert run.ours.offload_stats()["wait_seconds"] == stats["wait_seconds"], "counted"
 
 
 @pytest.mark.parametrize(
