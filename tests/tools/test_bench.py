@@ -14,7 +14,7 @@ import torch
 from leanddp import _memory, plan
 from leanddp.bench import main
 from leanddp.bench._model import SIZES, TinyGPT
-from leanddp.bench._report import device_bytes_per_param, table
+from leanddp.bench._report import DPI, device_bytes_per_param, figure, table
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +52,36 @@ def assert_planned(report: dict) -> None:
             (m["host"], e.host),
         ):
             assert abs(measured - planned) <= allowance, what
+
+
+def assert_labels_readable(report: dict) -> None:
+    """The chart's x-axis labels do not overlap, at the configurations this run measured and
+    at the default run's (each configuration at accumulation 1 and 4: 13 runs), drawn at the
+    PNG's resolution."""
+    matplotlib = pytest.importorskip("matplotlib", reason="the chart needs matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    default = copy.deepcopy(report)
+    main_runs = [r for r in report["runs"] if r["world_size"] == 2]
+    default["runs"] = [
+        {**copy.deepcopy(r), "accum": accum}
+        for accum in (1, 4)
+        for r in main_runs
+        if accum == 4 or r["config"] != DEVICE_ACCUMULATION
+    ] + [r for r in report["runs"] if r["world_size"] != 2]
+    for what in (report, default):
+        fig = figure(what)
+        fig.set_dpi(DPI)
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        labels = fig.axes[2].get_xticklabels()
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        for (a, x), (b, y) in zip(
+            zip(labels, boxes, strict=True), zip(labels[1:], boxes[1:], strict=True), strict=False
+        ):
+            assert x.x1 < y.x0, f"{a.get_text()!r} overlaps {b.get_text()!r}"
+        plt.close(fig)
 
 
 def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -159,6 +189,7 @@ def test_bench_runs_every_configuration_with_accumulation(tmp_path: Path) -> Non
     assert 20 <= device_bytes_per_param(runs["torch DDP"], report["params"]) < 20.01
     assert device_bytes_per_param(runs["leanddp + offload_to_cpu"], report["params"]) < 10
     assert (out / "bench.png").stat().st_size > 10_000
+    assert_labels_readable(report)
     assert_planned(report)
     assert "[2/9] leanddp, accumulation 2, world size 2" in done.stderr  # progress
     assert f"[9/9] {SHARDED}, accumulation 2, world size 3" in done.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 from leanddp import _memory
 from leanddp.bench import _accumulation
@@ -30,6 +31,7 @@ BUCKETS_IN_FLIGHT = _memory.BUCKETS_IN_FLIGHT
 STEP_TARGET_GLOO = 1.05
 STEP_TARGET_GLOO_WORLD = 2
 STEP_TARGET_NCCL = 1.00
+DPI = 110  # the PNG's resolution
 CATEGORIES = ["parameters", "gradients", "buckets", "optimizer_device"]
 LABELS = {
     "parameters": "parameters",
@@ -304,13 +306,12 @@ def table(report: dict) -> tuple[str, bool]:
 
 
 def label(run: dict) -> str:
-    """A run's name on the chart's x axis, wrapped to fit under its bar."""
-    name = run["config"]
-    if " + " in name:
-        name = name.replace(" + ", "\n+ ")
-    else:
-        name = textwrap.fill(name, 16, break_on_hyphens=False)
-    return f"{name}\naccum {run['accum']}"
+    """A run's name on the chart's x axis, wrapped to fit under its bar: each added mode on a
+    line of its own ("+ offload_to_cpu"), every line at most 16 characters where words allow."""
+    head, *added = run["config"].split(" + ")
+    parts = [head] + [f"+\u00a0{mode}" for mode in added]  # (no break after the "+")
+    lines = [textwrap.fill(p, 16, break_on_hyphens=False, break_long_words=False) for p in parts]
+    return "\n".join(lines + [f"accum {run['accum']}"])
 
 
 def plot(report: dict, path: Path) -> bool:
@@ -331,6 +332,16 @@ def plot(report: dict, path: Path) -> bool:
     except ImportError:
         print("[leanddp.bench] matplotlib is not installed: no PNG written", file=sys.stderr)
         return False
+    fig = figure(report)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return True
+
+
+def figure(report: dict) -> Any:
+    """:func:`plot`'s matplotlib figure (laid out, not saved; the caller closes it)."""
+    import matplotlib.pyplot as plt
+
     params = report["params"]
     runs = [r for r in report["runs"] if r["world_size"] == main_world(report["runs"])]
     series = series_runs(report["runs"])
@@ -416,9 +427,7 @@ def plot(report: dict, path: Path) -> bool:
         f"{first['backend']}, world size {first['world_size']}"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def world_panel(ax, report: dict, series: list[dict]) -> None:
