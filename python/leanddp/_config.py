@@ -67,7 +67,7 @@ class DDPConfig:
     """Optimizer state and float32 master weights in host memory, stepped there by a worker."""
     max_grad_norm: float | None = None
     """offload_to_cpu or shard_optimizer_state: clip the gradients' global 2-norm to this, as
-    clip_grad_norm_ would."""
+    ``clip_grad_norm_`` would."""
     offload_threads: int = 1
     """offload_to_cpu: threads of the host optimizer step."""
     accumulate_on_host: bool = False

@@ -24,57 +24,88 @@ from ._logging import DDPLogger
 class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     """A drop-in ``torch.nn.parallel.DistributedDataParallel`` that stores gradients once.
 
-    Takes torch's constructor arguments (see :class:`leanddp.DDPConfig` for what each does
-    here and which are not supported), with ``gradient_as_bucket_view=True`` by default:
+    Takes torch's constructor arguments, with ``gradient_as_bucket_view=True`` by default:
     ``param.grad`` is a view into the flat bucket that is reduced, so gradients take their
     bytes once. It never builds torch's reducer: hooks, bucketing and the asynchronous
     allreduce run in leanddp's C++ Reducer (``self.reducer``) on the process group given.
+    Initialise the process group first; construction broadcasts parameters and buffers from
+    rank 0 and checks that every rank holds the same parameters (a collective every rank must
+    enter), unless ``init_sync=False``. Bad arguments raise before any collective, naming the
+    argument (:class:`DDPConfig` holds what was built, after checking).
 
-    ``optimizer_in_backward``: a factory such as
-    ``functools.partial(torch.optim.AdamW, lr=1e-3)``, called with ``module.parameters()``.
-    Each bucket is then stepped as soon as its reduction finishes, still inside backward, and
-    its gradient memory is released (``param.grad`` is None afterwards). On a GPU the steps are
-    queued on a side stream behind each bucket's reduction, never waited for by the host; the
-    stream that called backward is ordered after them when backward returns. The optimizer it
-    returns is ``self.optimizer``: LR schedulers and checkpoints use it as usual, and its
-    ``step()`` steps nothing but makes the updates visible: with ``offload_to_cpu`` it waits
-    for the host steps, so parameters read after it hold this step's update (see docs/ddp.md).
-
-    ``offload_to_cpu=True`` (with ``optimizer_in_backward``): optimizer state and float32
-    master weights live in host memory; each reduced bucket is copied there, its device memory
-    released, and a C++ worker (``offload_threads`` threads, default: this process's share of
-    the CPUs) steps it while backward goes on; the updated weights are copied back and the next
-    forward waits for them. ``max_grad_norm``: exact global-norm clipping (as
-    ``torch.nn.utils.clip_grad_norm_``) of each step, with offload_to_cpu.
-    ``accumulate_on_host`` (default: on with ``offload_to_cpu``): inside ``no_sync()`` each
-    bucket's gradients go to host memory as soon as they are complete and the bucket is
-    released, so the device holds no gradient between micro-batches (``param.grad`` is None
-    there); the synchronized micro-batch adds the host sum back, bit for bit torch's
-    accumulation. ``zero_grad()`` (the wrapper's or ``self.optimizer``'s) drops that sum.
-
-    ``grad_scaler``: the ``torch.amp.GradScaler`` of an fp16 loop with
-    ``optimizer_in_backward``. Its scale must be known before the first bucket's step, so it is
-    given here; the loop then calls ``scaler.scale(loss).backward()``, ``scaler.step(
-    ddp.optimizer)`` and ``scaler.update()`` as usual. The kernels unscale and skip, on the
-    device, a bucket whose gradients overflow and every bucket stepped after it (earlier ones
-    are already stepped: see docs/ddp.md, "GradScaler").
-
-    ``check_for_nan_in_grad=True``: a NaN or infinity in a reduced gradient raises on every
-    rank at the end of backward, naming the parameter, before ``optimizer.step()`` can run.
-    With ``offload_to_cpu`` the host steps wait for the check, so no weight changes. With
-    ``optimizer_in_backward`` on the device, buckets reduced before the bad one were already
-    stepped (the error lists their parameters); ``check_for_nan_in_grad="strict"`` defers those
-    steps to the end of backward so that no weight changes, holding every gradient bucket until
-    then. See docs/reliability.md for what happens on errors.
-
-    Parameters of ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` get sparse
-    gradients, reduced as torch's DDP reduces them (a bucket of their own, the process group's
-    sparse allreduce, ``param.grad`` a sparse tensor, never a view); not with
-    ``optimizer_in_backward``.
-
-    Construction broadcasts parameters and buffers from rank 0 and checks that every rank
-    holds the same parameters, with the same kind of gradient (dense or sparse), a collective
-    every rank must enter, unless ``init_sync=False``.
+    Args:
+        module: the module; its trainable parameters must all be on one device and dense,
+            or sparse for ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` (reduced as
+            torch's DDP reduces them: a bucket of their own, never a view; not with
+            ``optimizer_in_backward``).
+        device_ids: None for CPU modules; ``[index]`` (or None) for a module on one GPU;
+            inputs are then moved to it.
+        output_device: accepted for compatibility; outputs stay where the module puts them.
+        dim: accepted for compatibility (single-device modules do not scatter).
+        broadcast_buffers: as in torch: buffers broadcast from rank 0 before a forward that
+            follows a synchronized one.
+        init_sync: as in torch: verify and broadcast module state at construction.
+        process_group: the group gradients are averaged over (default: the world).
+        bucket_cap_mb: bucket cap, as in torch: with the default cap the first bucket is at
+            most 1 MiB so reduction starts early; until the first rebuild every parameter of
+            a dtype shares one bucket unless ``find_unused_parameters`` (without
+            ``static_graph``), ``bucket_cap_mb_list`` or ``optimizer_in_backward`` (whose
+            bucket memory stays bounded in the first iteration too).
+        find_unused_parameters: as in torch: globally unused parameters keep
+            ``grad is None``; locally unused ones get the reduced value.
+        check_reduction: accepted for compatibility.
+        gradient_as_bucket_view: default **True** here (torch: False).
+        static_graph: as in torch (also ``model._set_static_graph()`` before the first step).
+        delay_all_reduce_named_params: not supported (``NotImplementedError``).
+        param_to_hook_all_reduce: not supported (``NotImplementedError``).
+        mixed_precision: torch's DDP mixed precision: not supported
+            (``NotImplementedError``).
+        device_mesh: a 1-D mesh, instead of ``process_group``.
+        skip_all_reduce_unused_params: True is not supported (``NotImplementedError``).
+        bucket_cap_mb_list: caps of consecutive buckets, as in torch (the last repeats).
+        batched_grad_copy: accepted for compatibility: a bucket's gradients are always copied
+            in one pass.
+        forward_sync_buffers: torch 2.13's name for ``broadcast_buffers``.
+        optimizer_in_backward: a factory such as ``functools.partial(torch.optim.AdamW,
+            lr=1e-3)``, called with ``module.parameters()``. Each bucket is then stepped as
+            soon as its reduction finishes, still inside backward, and its gradient memory is
+            released (``param.grad`` is None afterwards). On a GPU the steps are queued on a
+            side stream behind each bucket's reduction, never waited for by the host. The
+            optimizer it returns is ``self.optimizer``: LR schedulers and checkpoints use it
+            as usual, and its ``step()`` steps nothing but makes the updates visible (with
+            ``offload_to_cpu`` it waits for the host steps); ``zero_grad()`` does nothing.
+            SGD, Adam and AdamW run on leanddp's fused kernels, any other optimizer through a
+            per-bucket fallback.
+        offload_to_cpu: with ``optimizer_in_backward``: optimizer state and float32 master
+            weights live in host memory; each reduced bucket is copied there, its device
+            memory released, and a C++ worker steps it while backward goes on; the updated
+            weights are copied back and the next forward waits for each bucket where it first
+            reads it.
+        max_grad_norm: exact global-norm clipping of each step, equal to
+            ``torch.nn.utils.clip_grad_norm_`` before the step; with ``offload_to_cpu`` or
+            ``shard_optimizer_state``.
+        offload_threads: threads of the host step (default: this process's share of the
+            CPUs).
+        accumulate_on_host: with ``offload_to_cpu`` (its default there): inside ``no_sync()``
+            each bucket's gradients go to host memory as soon as they are complete and the
+            bucket is released, so the device holds no gradient between micro-batches; the
+            synchronized micro-batch adds the host sum back, bit for bit torch's accumulation.
+            ``zero_grad()`` (the wrapper's or ``self.optimizer``'s) drops that sum.
+        check_for_nan_in_grad: True: a NaN or infinity in a reduced gradient raises on every
+            rank at the end of backward, naming the parameter, before ``optimizer.step()`` can
+            run (with ``offload_to_cpu`` no weight changes). ``"strict"``: with
+            ``optimizer_in_backward`` on the device, the steps also wait for that check, so
+            that no weight changes, holding every gradient bucket until then.
+        grad_scaler: the ``torch.amp.GradScaler`` of a float16 loop with
+            ``optimizer_in_backward``: its scale must be known before the first bucket's step,
+            so it is given here; the loop then calls ``scaler.scale(loss).backward()``,
+            ``scaler.step(ddp.optimizer)`` and ``scaler.update()`` as usual. A bucket whose
+            gradients overflow, and every bucket stepped after it, is skipped on the device.
+            Not with ``offload_to_cpu`` or ``check_for_nan_in_grad``.
+        shard_optimizer_state: with ``optimizer_in_backward``: each of the N ranks keeps and
+            steps only its 1/N of the optimizer state (and, with ``offload_to_cpu``, of the
+            host state and masters); buckets are reduce-scattered and the stepped shards
+            all-gathered inside backward.
     """
 
     def __init__(
@@ -262,7 +293,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     # the training step
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Runs the module; arms the Reducer unless inside :meth:`no_sync` or without grad."""
+        """Runs the module; arms the Reducer unless inside ``no_sync()`` or without grad.
+
+        Args:
+            inputs: the module's positional arguments (moved to its device with
+                ``device_ids``).
+            kwargs: the module's keyword arguments (likewise).
+        """
         with torch.autograd.profiler.record_function("leanddp.DistributedDataParallel.forward"):
             grad_enabled = torch.is_grad_enabled()
             waits = self._before_module(grad_enabled, torch.compiler.is_compiling())
@@ -389,7 +426,12 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         allreduce, fp16/bf16 compression and PowerSGD work). The hook is checked as torch's DDP
         checks it (TypeError if not callable, ValueError for a ``bucket`` annotation other than
         ``dist.GradBucket`` or a return annotation other than
-        ``torch.futures.Future[torch.Tensor]``). Call once, before the first backward."""
+        ``torch.futures.Future[torch.Tensor]``). Call once, before the first backward.
+
+        Args:
+            state: passed to every call of ``hook``.
+            hook: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``.
+        """
         self._check_comm_hook(hook)
         self._register_hook(hook, state, getattr(hook, "__qualname__", repr(hook)))
 
@@ -463,7 +505,12 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         )
 
     def join(self, *args: Any, **kwargs: Any) -> Any:
-        """Not supported yet: raises NotImplementedError (uneven inputs)."""
+        """Not supported yet: raises NotImplementedError (uneven inputs).
+
+        Args:
+            args: torch's ``join()`` arguments.
+            kwargs: likewise.
+        """
         raise NotImplementedError(
             "leanddp.DistributedDataParallel does not support join() (uneven inputs across "
             "ranks) yet. Give every rank the same number of batches, for example with "
@@ -474,7 +521,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         """The hook torch's ``Join`` context asks every joinable for. A disabled context, or
         one that every rank leaves at the same iteration (even inputs), works as with torch's
         DDP; a rank that runs out of inputs first raises NotImplementedError there, as
-        :meth:`join` does."""
+        :meth:`join` does.
+
+        Args:
+            kwargs: torch's ``join_hook()`` arguments (unused).
+        """
         return _UnevenInputsHook()
 
     def memory_stats(self) -> dict[str, Any]:
@@ -530,7 +581,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``; with ``accumulate_on_host`` also drops the gradients of
-        the ``no_sync()`` micro-batches summed on the host since the last synchronized step."""
+        the ``no_sync()`` micro-batches summed on the host since the last synchronized step.
+
+        Args:
+            set_to_none: as ``nn.Module.zero_grad``'s.
+        """
         super().zero_grad(set_to_none)
         if self._config.accumulate_on_host:
             self.reducer.discard_host_gradients()
@@ -561,7 +616,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     def load_sharded_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
         """After ``dcp.load(state_dict, ...)`` of a :meth:`sharded_optimizer_state_dict` of
-        this wrapper: sets the step counts and the param groups' hyper-parameters."""
+        this wrapper: sets the step counts and the param groups' hyper-parameters.
+
+        Args:
+            state_dict: the dictionary ``dcp.load`` filled.
+        """
         from . import _sharded_checkpoint
 
         _sharded_checkpoint.load_sharded_state_dict(

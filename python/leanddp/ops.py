@@ -40,11 +40,17 @@ def _as_list(x: TensorOrList | None) -> Sequence[Tensor]:
 def flatten_into(tensors: Sequence[Tensor], out: Tensor, scale: float | None = None) -> Tensor:
     """Copy ``tensors`` into consecutive slices of the 1-D ``out``, times ``scale`` if given.
 
-    ``tensors`` share ``out``'s dtype and device and may have any shapes and strides; element
-    order within a slice is ``t.reshape(-1)``'s. ``out`` needs at least the total numel; the rest
-    of it is left alone. A tensor that already is its own slice of ``out`` (a bucket view) is left
-    in place (scaled in place if ``scale`` is given). On CUDA the whole list is one kernel launch.
-    Returns ``out``.
+    A tensor that already is its own slice of ``out`` (a bucket view) is left in place (scaled
+    in place if ``scale`` is given). On CUDA the whole list is one kernel launch.
+
+    Args:
+        tensors: of ``out``'s dtype and device, any shapes and strides; element order within a
+            slice is ``t.reshape(-1)``'s.
+        out: 1-D, at least the tensors' total numel; the rest of it is left alone.
+        scale: multiplies every element copied (None: copied as is).
+
+    Returns:
+        ``out``.
     """
     _flatten_into(tensors, out, scale)
     return out
@@ -53,8 +59,13 @@ def flatten_into(tensors: Sequence[Tensor], out: Tensor, scale: float | None = N
 def unflatten_from(flat: Tensor, tensors: Sequence[Tensor], scale: float | None = None) -> None:
     """Copy consecutive slices of the 1-D ``flat`` into ``tensors`` in place, times ``scale``.
 
-    The inverse of :func:`flatten_into`; ``tensors`` may be non-contiguous views (but not
-    expanded tensors whose elements share memory).
+    The inverse of :func:`flatten_into`.
+
+    Args:
+        flat: 1-D, at least the tensors' total numel.
+        tensors: written in place; may be non-contiguous views (but not expanded tensors whose
+            elements share memory).
+        scale: multiplies every element copied (None: copied as is).
     """
     _unflatten_from(flat, tensors, scale)
 
@@ -82,18 +93,34 @@ def adamw_step_(
 ) -> None:
     """One ``torch.optim.AdamW`` step, in place, fused into a single pass over memory.
 
-    ``step`` is the 1-based number of this update (torch's ``state["step"]`` after its
-    increment). ``grad_scale`` multiplies every gradient first (averaging, a clipping
-    coefficient). ``param_copy`` (bfloat16/float16 tensors matching ``params``) receives the
-    updated parameters in the same pass. ``decoupled_weight_decay=False`` gives Adam's L2 weight
-    decay instead (see :func:`adam_step_`). ``lr`` may be a one-element float32/float64 tensor
-    on the parameters' device; ``state_steps`` (one float32 scalar tensor per parameter, on
-    their device, already counting this update) replace ``step``; ``amp_scale`` divides the
-    gradients (after ``grad_scale``); a nonzero ``found_inf`` makes the call do nothing.
     On the CPU the last ``numel % (32 bytes / element size)`` elements of each parameter take the
-    arithmetic of torch's scalar tail loop, so results equal torch's fused kernel bit for bit;
-    ``tail_from`` (one index per parameter) says where that tail starts in a parameter that is a
-    piece of a larger tensor (the larger tensor's tail, relative to the piece).
+    arithmetic of torch's scalar tail loop, so results equal torch's fused kernel bit for bit.
+
+    Args:
+        params: updated in place (a flat bucket, or a list).
+        grads: matching ``params``; not modified.
+        exp_avg: the first moments, updated in place.
+        exp_avg_sq: the second moments, updated in place.
+        lr: the learning rate, or a one-element float32/float64 tensor on the parameters'
+            device (read by the kernel: no host synchronization).
+        beta1: torch's ``betas[0]``.
+        beta2: torch's ``betas[1]``.
+        eps: added to the denominator.
+        weight_decay: decoupled (AdamW), or L2 with ``decoupled_weight_decay=False``.
+        step: the 1-based number of this update (torch's ``state["step"]`` after its
+            increment).
+        maximize: ascend instead of descend, as torch's ``maximize``.
+        grad_scale: multiplies every gradient first (averaging, a clipping coefficient).
+        param_copy: bfloat16/float16 tensors matching ``params`` that receive the updated
+            parameters in the same pass.
+        decoupled_weight_decay: False gives Adam's L2 weight decay (see :func:`adam_step_`).
+        state_steps: one float32 scalar tensor per parameter, on their device, already
+            counting this update; replaces ``step``.
+        amp_scale: GradScaler's scale: divides the gradients (after ``grad_scale``).
+        found_inf: nonzero: the call does nothing (GradScaler's overflow flag).
+        tail_from: one index per parameter: where torch's scalar tail starts in a parameter
+            that is a piece of a larger tensor (the larger tensor's tail, relative to the
+            piece).
     """
     lr_tensor = lr if isinstance(lr, Tensor) else None
     _adam_step(
@@ -128,7 +155,12 @@ def adam_step_(
 ) -> None:
     """One ``torch.optim.Adam`` step (L2 weight decay added to the gradient), in place.
 
-    :func:`adamw_step_` with ``decoupled_weight_decay=False``; the same keyword arguments.
+    Args:
+        params: as in :func:`adamw_step_`.
+        grads: as in :func:`adamw_step_`.
+        exp_avg: as in :func:`adamw_step_`.
+        exp_avg_sq: as in :func:`adamw_step_`.
+        hyper: :func:`adamw_step_`'s keyword arguments, but ``decoupled_weight_decay``.
     """
     adamw_step_(params, grads, exp_avg, exp_avg_sq, decoupled_weight_decay=False, **hyper)
 
@@ -152,10 +184,22 @@ def sgd_step_(
 ) -> None:
     """One ``torch.optim.SGD`` step, in place.
 
-    ``momentum_buffer`` is None (or empty) when ``momentum`` is 0. ``first_step=True`` means the
-    buffer holds no history yet: it is set to the gradient, as torch does when its
-    ``momentum_buffer`` is None, instead of being blended. ``grad_scale`` and ``param_copy`` as in
-    :func:`adamw_step_`; so are a tensor ``lr``, ``amp_scale`` and ``found_inf``.
+    Args:
+        params: updated in place (a flat bucket, or a list).
+        grads: matching ``params``; not modified.
+        momentum_buffer: updated in place; None (or empty) when ``momentum`` is 0.
+        lr: the learning rate, or a one-element tensor as in :func:`adamw_step_`.
+        momentum: torch's ``momentum``.
+        dampening: torch's ``dampening``.
+        nesterov: torch's ``nesterov``.
+        weight_decay: L2, added to the gradient.
+        maximize: ascend instead of descend.
+        grad_scale: as in :func:`adamw_step_`.
+        first_step: the buffer holds no history yet: it is set to the gradient, as torch does
+            when its ``momentum_buffer`` is None, instead of being blended.
+        param_copy: as in :func:`adamw_step_`.
+        amp_scale: as in :func:`adamw_step_`.
+        found_inf: as in :func:`adamw_step_`.
     """
     lr_tensor = lr if isinstance(lr, Tensor) else None
     _sgd_step(

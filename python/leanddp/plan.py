@@ -39,13 +39,18 @@ def shape_of(
     bucket_cap_mb: float | None = None,
     first_layout: bool = False,
 ) -> _memory.Shape:
-    """The memory model's view of ``model``: an ``nn.Module`` (on any device, ``meta`` included,
-    so a model too large to build can be planned) bucketed as leanddp's Reducer buckets it, or a
-    parameter count in buckets of the cap. ``dtype``: the parameters' (default: the module's,
-    or float32 for a count); ``bucket_cap_mb``: as DistributedDataParallel takes it;
-    ``first_layout``: the buckets as first built (registration order; the configurations that
-    keep them, ``Mode.keeps_first_layout``) rather than as rebuilt in gradient order. A
-    module with parameters of several dtypes is counted at the widest (an upper bound)."""
+    """The memory model's view of ``model``, bucketed as leanddp's Reducer buckets it.
+
+    A module with parameters of several dtypes is counted at the widest (an upper bound).
+
+    Args:
+        model: an ``nn.Module`` (on any device, ``meta`` included, so a model too large to
+            build can be planned), or a parameter count (in buckets of the cap).
+        dtype: the parameters' (default: the module's, or float32 for a count).
+        bucket_cap_mb: as :class:`leanddp.DistributedDataParallel` takes it.
+        first_layout: the buckets as first built (registration order; the configurations that
+            keep them, ``Mode.keeps_first_layout``) rather than as rebuilt in gradient order.
+    """
     caps = list(_caps(bucket_cap_mb, None))
     if isinstance(model, bool) or not isinstance(model, (int, nn.Module)):
         raise TypeError(f"model must be an nn.Module or a parameter count, got {type(model)}")
@@ -72,7 +77,15 @@ def shape_of(
 @dataclasses.dataclass
 class Plan:
     """The planner's answer: an estimate per configuration, whether it fits, and the largest
-    model of the same shape that would (parameter elements; None where no memory was given)."""
+    model of the same shape that would (parameter elements; None where no memory was given).
+
+    Args:
+        shape: the model as the memory model sees it (:func:`shape_of`).
+        estimates: bytes per rank by category, one per configuration.
+        fits: per configuration: fits the memory given (None: none given).
+        largest: per configuration: parameter elements of the largest model that fits.
+        settings: the arguments of :func:`plan` that produced it.
+    """
 
     shape: _memory.Shape
     estimates: list[_memory.Estimate]
@@ -148,13 +161,27 @@ def plan(
     device: str = "cuda",
     configs: Sequence[str] | None = None,
 ) -> Plan:
-    """Memory per rank of every configuration (``configs``: names of ``_memory.MODES``, default
-    all) training ``model`` (an ``nn.Module`` or a parameter count) with ``optimizer`` (one of
-    OPTIMIZERS) at ``world_size`` ranks, ``accumulation`` micro-batches per step, clipping with
-    ``max_grad_norm`` or not, on ``device`` (``"cuda"`` or ``"cpu"``: a sharded bucket waits
-    longer on the CPU). With ``gpu_memory_gb`` (less ``reserve_gb`` for activations and the
-    context) and/or ``host_memory_gb`` per rank: whether each fits, and the largest model of
-    the same shape that would."""
+    """Memory per rank of every configuration, and whether it fits.
+
+    Args:
+        model: an ``nn.Module`` (any device, ``meta`` included) or a parameter count.
+        optimizer: one of ``OPTIMIZERS`` (``"adamw"``, ``"adam"``, ``"sgd"``, ...).
+        world_size: ranks (shard_optimizer_state keeps 1/N of the state on each).
+        accumulation: micro-batches per step.
+        bucket_cap_mb: as :class:`leanddp.DistributedDataParallel` takes it.
+        dtype: the parameters' (default: the module's, or float32 for a count).
+        clip: clipping with ``max_grad_norm``.
+        gpu_memory_gb: device memory per rank: says whether each configuration fits, and the
+            largest model of the same shape that would.
+        host_memory_gb: host memory per rank, likewise.
+        reserve_gb: kept out of ``gpu_memory_gb`` for activations and the CUDA context.
+        device: ``"cuda"`` or ``"cpu"`` (a sharded bucket waits longer on the CPU, where the
+            device memory is the host's).
+        configs: names of the configurations (``_memory.MODES``; default: all).
+
+    Returns:
+        A :class:`Plan`: ``str(plan)`` is the table ``python -m leanddp.plan`` prints.
+    """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     for name, value in (("gpu_memory_gb", gpu_memory_gb), ("host_memory_gb", host_memory_gb)):

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Runs the benchmark with command-line arguments ``argv`` (default: ``sys.argv[1:]``)."""
+    """Runs the benchmark (what ``python -m leanddp.bench`` runs).
+
+    Args:
+        argv: its command-line arguments (default: ``sys.argv[1:]``), listed below.
+    """
     from leanddp.bench._launch import main as launch_main  # torch only when it runs
 
     launch_main(argv)
