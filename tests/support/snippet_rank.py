@@ -32,7 +32,6 @@ ON_CPU = [
     ("device_ids=[local_rank]", "device_ids=None"),
     ("device_ids=[rank]", "device_ids=None"),
     ('torch.amp.GradScaler("cuda")', 'torch.amp.GradScaler("cpu")'),
-    ("model.half()", "model.bfloat16()"),  # (float16 matmuls: CPU kernels vary by build)
     ("LeanDDPAccelerator(", "LeanDDPAccelerator(cpu=True, "),  # (Accelerate's CPU processes)
     # Lightning: the two CPU processes already started, and a short run
     ('accelerator="gpu", devices=8,', 'accelerator="cpu", devices=2, max_steps=2, logger=False,'),
