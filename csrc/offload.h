@@ -88,7 +88,7 @@ struct OffloadStats {
   int64_t iterations = 0;         // synchronized iterations whose host steps finished
   int64_t buckets = 0;            // bucket steps
   double step_seconds = 0;        // worker busy time: copies awaited, norms, steps, copies back
-  double wait_seconds = 0;        // time callers of wait() were blocked
+  double wait_seconds = 0;        // time callers of wait(), wait_stepped() were blocked
   double grad_norm = -1;          // the last iteration's total gradient norm (-1: no clipping)
   int64_t master_bytes = 0;       // float32 master weights on the host
   int64_t host_buffer_bytes = 0;  // host gradient buffers, and low-precision weight buffers

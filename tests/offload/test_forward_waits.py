@@ -331,6 +331,7 @@ def _dropped_steps(rank: int, world_size: int, how: str) -> None:
         group["betas"] = good
         with pytest.raises(ValueError, match="beta1 must be in"):
             ddp(x)  # (raised once; the pipeline works again)
+    ddp.synchronize()  # (the worker winds the failed iteration up: not what is measured)
     ddp.reducer._delay_host_steps(DELAY * 4)  # each addition of the next micro-batch lags
     for i in range(3):
         with ddp.no_sync():
