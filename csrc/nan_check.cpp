@@ -1,7 +1,7 @@
 // check_for_nan_in_grad (see nan_check.h and docs/reliability.md).
 #include "nan_check.h"
 
-#include "reducer.h"  // join_names
+#include "errors.h"
 
 #include <c10/util/Exception.h>
 

@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <optional>
-#include <sstream>
 #include <unordered_set>
 #include <utility>
 
@@ -20,18 +19,6 @@ namespace {
 using torch::autograd::variable_list;
 
 }  // namespace
-
-std::string join_names(const std::vector<std::string>& names, const std::vector<int64_t>& idx) {
-  std::ostringstream out;
-  for (size_t k = 0; k < idx.size(); ++k) {
-    if (k == 8) {
-      out << ", ... (" << idx.size() << " in all)";
-      break;
-    }
-    out << (k ? ", " : "") << names[static_cast<size_t>(idx[k])];
-  }
-  return out.str();
-}
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                  c10::intrusive_ptr<c10d::ProcessGroup> process_group, ReducerOptions options)

@@ -56,6 +56,7 @@
 
 #include "bucket.h"
 #include "comm_hook.h"
+#include "errors.h"
 #include "fused_optim.h"
 #include "nan_check.h"
 #include "offload.h"
@@ -85,13 +86,6 @@
 #include <vector>
 
 namespace leanddp {
-
-// "a, b, c" for the parameters `idx` (at most 8 named, then the count), for error messages.
-std::string join_names(const std::vector<std::string>& names, const std::vector<int64_t>& idx);
-
-// Inside a catch block: rethrows the exception being handled as an error of rank `rank` saying
-// that `what` failed, and what that usually means (another rank died or diverged).
-[[noreturn]] void rethrow_collective_error(int rank, const std::string& what);
 
 // TORCH_CHECK for the Reducer's checks of how it is used (torch's REDUCER_CHECK): a failure is
 // recorded for the logging data (Reducer::take_usage_error) and raised as a RuntimeError. Only

@@ -6,7 +6,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <sstream>
 
 namespace leanddp {
 
@@ -76,23 +75,6 @@ bool Reducer::steps_in_hooks() const {
 
 void Reducer::rethrow_collective_error(const std::string& what) const {
   leanddp::rethrow_collective_error(rank_, what);
-}
-
-void rethrow_collective_error(int rank, const std::string& what) {
-  std::ostringstream context;
-  context << "leanddp.DistributedDataParallel: rank " << rank << ": " << what
-          << " failed. Another rank has probably died, raised an exception, or run a different "
-             "sequence of forwards and backwards (every rank must run the same ones); this "
-             "process group cannot be used for training any more. The error: ";
-  try {
-    throw;
-  } catch (const c10::DistBackendError& e) {
-    C10_THROW_ERROR(DistBackendError, context.str() + e.what_without_backtrace());
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, context.str(), e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, context.str(), e.what());
-  }
 }
 
 void Reducer::raise_nonfinite(const std::vector<int32_t>& used) const {

@@ -1,9 +1,9 @@
 // shard_optimizer_state's gathers and clipping (see shard_gather.h and shard.h).
 #include "shard_gather.h"
 
+#include "errors.h"
 #include "fused_optim.h"  // clip_coefficient
 #include "op_calls.h"
-#include "reducer.h"  // join_names, rethrow_collective_error
 
 #include <torch/csrc/autograd/variable.h>
 

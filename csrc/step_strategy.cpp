@@ -1,7 +1,7 @@
 // The step strategies of optimizer_in_backward (see step_strategy.h).
 #include "step_strategy.h"
 
-#include "reducer.h"  // rethrow_collective_error
+#include "errors.h"
 
 #include <c10/util/Exception.h>
 
