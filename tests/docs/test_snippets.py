@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from dist_harness import _free_port
 
 import leanddp
 
@@ -28,13 +28,22 @@ RANK = ROOT / "tests" / "support" / "snippet_rank.py"
 # the ranks import the leanddp this test imported (installed, or PYTHONPATH=python)
 PACKAGE_ROOT = str(Path(leanddp.__file__).resolve().parents[1])
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-_GIVEN = re.compile(r"<!-- given: (.*?) -->\s*$", re.S | re.M)
+GIVEN = "<!-- given: "
 _BLOCK = re.compile(r"^([ \t]*)```python\n(.*?)^\1```", re.S | re.M)
 
 #: a guide's class, and the framework its snippet needs
 FRAMEWORKS = [("LeanDDPStrategy", "lightning"), ("LeanDDPAccelerator", "accelerate")]
 
 pytestmark = pytest.mark.docs
+
+
+def _given(text: str, block: int) -> str:
+    """The code of a ``<!-- given: CODE -->`` right before the block starting at ``block``."""
+    start = text.rfind(GIVEN, 0, block)
+    end = text.find("-->", start) if start >= 0 else -1
+    if end < 0 or text[end + 3 : block].strip():
+        return ""  # (none, or not right before this block)
+    return text[start + len(GIVEN) : end].strip() + "\n"
 
 
 def _blocks() -> list[pytest.param]:
@@ -44,9 +53,8 @@ def _blocks() -> list[pytest.param]:
         for m in _BLOCK.finditer(text):  # (a block in a list item is indented)
             line = text[: m.start(2)].count("\n") + 1
             where = f"{page.relative_to(ROOT)}:{line}"
-            given = _GIVEN.search(text, 0, m.start())  # (the last one before the block ...)
-            setup = given.group(1) if given and not text[given.end() : m.start()].strip() else ""
-            found.append(pytest.param(setup + "\n" + textwrap.dedent(m.group(2)), id=where))
+            source = _given(text, m.start()) + textwrap.dedent(m.group(2))
+            found.append(pytest.param(source, id=where))
     return found
 
 
@@ -57,12 +65,6 @@ def test_the_pages_have_snippets() -> None:
     """(The pattern finds the blocks: the README's and the guides'.)"""
     pages = {block.id.split(":")[0] for block in BLOCKS}
     assert {"README.md", "docs/getting-started.md", "docs/ddp.md"} <= pages, pages
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("source", BLOCKS)

@@ -62,24 +62,21 @@ def assert_labels_readable(report: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    default = copy.deepcopy(report)
     main_runs = [r for r in report["runs"] if r["world_size"] == 2]
-    default["runs"] = [
-        {**copy.deepcopy(r), "accum": accum}
+    default = {**report, "runs": [
+        {**r, "accum": accum}
         for accum in (1, 4)
         for r in main_runs
         if accum == 4 or r["config"] != DEVICE_ACCUMULATION
-    ] + [r for r in report["runs"] if r["world_size"] != 2]
+    ] + [r for r in report["runs"] if r["world_size"] != 2]}  # fmt: skip
     for what in (report, default):
         fig = figure(what)
         fig.set_dpi(DPI)
         fig.canvas.draw()
         renderer = fig.canvas.get_renderer()
         labels = fig.axes[2].get_xticklabels()
-        boxes = [t.get_window_extent(renderer) for t in labels]
-        for (a, x), (b, y) in zip(
-            zip(labels, boxes, strict=True), zip(labels[1:], boxes[1:], strict=True), strict=False
-        ):
+        for a, b in zip(labels, labels[1:], strict=False):
+            x, y = a.get_window_extent(renderer), b.get_window_extent(renderer)
             assert x.x1 < y.x0, f"{a.get_text()!r} overlaps {b.get_text()!r}"
         plt.close(fig)
 
