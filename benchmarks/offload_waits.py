@@ -5,7 +5,7 @@
 On CPU with gloo (OMP_NUM_THREADS=1 per rank on a 2-core machine), the benchmark's tiny GPT
 (python -m leanddp.bench's model and loop, bucket_cap_mb=2), offload_to_cpu with and without
 shard_optimizer_state, at accumulation 1 and 4. Before each step it reads which buckets' host
-steps are still pending (``reducer.pending_steps()``), and after it how long the worker was
+steps are still pending (``pending_steps()`` of its optimizer), and after it how long the worker was
 busy and the loop waited (``offload_stats()``). Rank 0 prints, per configuration: the waits of
 the first iterations (the first allocates the optimizer state, the second rebuilds the buckets
 in gradient-ready order, which waits for the worker once), then over the iterations after
@@ -43,7 +43,7 @@ def run(config: str, accum: int, args: argparse.Namespace) -> dict:
     data = batches(size, dist.get_rank(), 4, torch.device("cpu"))
     pending, busy, waited = [], [], []
     for i in range(args.warmup + args.steps):
-        pending.append(list(ddp.reducer.pending_steps()))
+        pending.append(list(ddp._optimizer_core.pending_steps()))
         before = ddp.offload_stats()
         train_step(ddp, opt, data[i % len(data)], accum)
         after = ddp.offload_stats()

@@ -59,12 +59,6 @@ const std::vector<std::string>& buffer_names(OptimKind kind, bool momentum) {
 
 }  // namespace
 
-OptimKind optim_kind(const std::string& name) {
-  if (name == "sgd") return OptimKind::kSgd;
-  TORCH_CHECK(name == "adam", "leanddp: unknown fused optimizer kind '", name, "' (sgd, adam)");
-  return OptimKind::kAdam;
-}
-
 std::vector<std::string> StateSpec::keys() const {
   std::vector<std::string> out;
   if (counted) out.emplace_back("step");

@@ -38,8 +38,6 @@ namespace leanddp {
 
 enum class OptimKind { kSgd, kAdam };
 
-// The kind named `name` ("sgd" or "adam", as leanddp.optim names them); throws on another name.
-OptimKind optim_kind(const std::string& name);
 
 // The one rule for one parameter's fused state: whether the kernels step it and, if they do,
 // what state they keep for it. FusedOptimizer follows it (can_step, buffer_keys, state_dtype)

@@ -94,8 +94,9 @@ void NonFiniteCheck::flag(const std::vector<Bucket>& buckets, size_t index, size
   seen_.clamp_min_(bad.amax());
 }
 
-void NonFiniteCheck::read_flags(const std::vector<Bucket>& buckets, FusedOptimizer* fused) {
-  if (!armed_) return;
+std::vector<int64_t> NonFiniteCheck::read_flags(const std::vector<Bucket>& buckets) {
+  std::vector<int64_t> skipped;
+  if (!armed_) return skipped;
   armed_ = false;
   const at::Tensor flags = flags_.cpu();  // the check's one host synchronization
   const float* bad = flags.const_data_ptr<float>();
@@ -110,12 +111,13 @@ void NonFiniteCheck::read_flags(const std::vector<Bucket>& buckets, FusedOptimiz
     }
     base += static_cast<int64_t>(bucket.params.size());
   }
-  if (bucket_ < 0) return;
+  if (bucket_ < 0) return skipped;
   // The kernels of this bucket and of every later one saw found_inf set and left their
   // parameters and state as they were: their step counts go back too.
   for (size_t b = static_cast<size_t>(bucket_); b < gated_.size(); ++b) {
-    for (int64_t p : gated_[b]) fused->unstep(static_cast<size_t>(p));
+    skipped.insert(skipped.end(), gated_[b].begin(), gated_[b].end());
   }
+  return skipped;
 }
 
 void NonFiniteCheck::raise(const std::vector<std::string>& names,
@@ -125,7 +127,7 @@ void NonFiniteCheck::raise(const std::vector<std::string>& names,
   msg << "leanddp.DistributedDataParallel: check_for_nan_in_grad: the reduced gradient of "
       << join_names(names, params_) << " holds NaN or infinity (bucket " << bucket_
       << "; the reduction is the same on every rank, so every rank raises this error).";
-  if (!step_in_backward_) {
+  if (!optimizer_in_backward_) {
     msg << " No weight was changed (optimizer.step() has not run); the gradients hold the "
            "reduced values.";
   } else {

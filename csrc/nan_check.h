@@ -8,8 +8,8 @@
 //     parameter is set where its gradient holds NaN/inf and folded into a running maximum
 //     (seen()), which the fused kernels take as found_inf: the bad bucket and every one stepped
 //     after it are skipped on the device. read_flags() reads the flags once at the end of
-//     backward (the check's one host synchronization), finds the first bucket flagged and takes
-//     back the step counts of the members whose kernels skipped (gate() lists them).
+//     backward (the check's one host synchronization), finds the first bucket flagged and lists
+//     the members whose kernels skipped (gate() listed them), whose step counts go back.
 // Every rank holds the same reduced values, so every rank finds the same bucket, and raise()
 // gives every rank the same error.
 //
@@ -19,7 +19,6 @@
 #pragma once
 
 #include "bucket.h"
-#include "fused_optim.h"
 
 #include <ATen/ATen.h>
 
@@ -36,15 +35,15 @@ enum class NanCheck { kOff = 0, kOn = 1, kStrict = 2 };
 
 class NonFiniteCheck {
  public:
-  NonFiniteCheck(NanCheck mode, bool step_in_backward)
-      : mode_(mode), step_in_backward_(step_in_backward) {}
+  NonFiniteCheck(NanCheck mode, bool optimizer_in_backward)
+      : mode_(mode), optimizer_in_backward_(optimizer_in_backward) {}
 
   bool enabled() const { return mode_ != NanCheck::kOff; }
   bool strict() const { return mode_ == NanCheck::kStrict; }
   // The check runs on the device (check_for_nan_in_grad=True with in-backward steps; with
   // offload_to_cpu too, whose host steps are held until the end of backward, where the flags
   // are read and a NaN drops every held step).
-  bool on_device() const { return mode_ == NanCheck::kOn && step_in_backward_; }
+  bool on_device() const { return mode_ == NanCheck::kOn && optimizer_in_backward_; }
 
   // At the start of each synchronized backward (and when one is abandoned): nothing found,
   // no bucket checked, the device flags not armed; `num_buckets` buckets.
@@ -67,9 +66,9 @@ class NonFiniteCheck {
   const at::Tensor& seen() const { return seen_; }
   // Parameter `p` of bucket `index` is stepped by the fused kernels under seen().
   void gate(size_t index, int64_t p) { gated_[index].push_back(p); }
-  // Reads the flags (if armed): the first bucket flagged, and `fused`'s step counts taken back
-  // for the members gated in it and after it.
-  void read_flags(const std::vector<Bucket>& buckets, FusedOptimizer* fused);
+  // Reads the flags (if armed): the first bucket flagged; returns the members gated in it and
+  // after it (their kernels skipped: the optimizer takes their step counts back).
+  std::vector<int64_t> read_flags(const std::vector<Bucket>& buckets);
 
   // Raises the check's error, naming what holds NaN/inf (`names`: the parameters' names) and,
   // with in-backward steps, which parameters were stepped: the `used` members of the buckets
@@ -79,7 +78,7 @@ class NonFiniteCheck {
 
  private:
   NanCheck mode_;
-  bool step_in_backward_;
+  bool optimizer_in_backward_;
   int64_t bucket_ = -1;          // the first bucket with NaN/inf
   std::vector<int64_t> params_;  // its parameters holding NaN/inf
   std::vector<char> checked_;    // per bucket: found finite on the host

@@ -29,28 +29,29 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       options_(std::move(options)),
       shard_(params_, names_, rank_),
       window_(options_.buckets_in_flight, !params_.empty() && runs_apart(params_.front().device())),
-      nan_(options_.nan_check, options_.step_in_backward) {
+      nan_(options_.nan_check, options_.optimizer_in_backward) {
   TORCH_CHECK(!params_.empty(), "Reducer: no parameters");
   TORCH_CHECK(names_.size() == params_.size(), "Reducer: one name per parameter");
   TORCH_CHECK(process_group_, "Reducer: no process group");
   div_factor_ = static_cast<double>(process_group_->getSize());
-  TORCH_CHECK(options_.expect_sparse.empty() || options_.expect_sparse.size() == params_.size(),
-              "Reducer: one expect_sparse flag per parameter");
+  sparse_.assign(params_.size(), false);
+  for (const std::string& name : options_.sparse_names) {
+    const auto it = std::find(names_.begin(), names_.end(), name);
+    TORCH_CHECK(it != names_.end(), "Reducer: sparse_names names no trained parameter: ", name);
+    sparse_[static_cast<size_t>(it - names_.begin())] = true;
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
-    TORCH_CHECK(!(options_.step_in_backward && expects_sparse(i)),
+    TORCH_CHECK(!(options_.optimizer_in_backward && expects_sparse(i)),
                 "leanddp.DistributedDataParallel: parameter ", names_[i],
                 " gets sparse gradients, which optimizer_in_backward cannot step");
   }
-  TORCH_CHECK(!options_.shard_optimizer_state || options_.step_in_backward,
+  TORCH_CHECK(!options_.shard_optimizer_state || options_.optimizer_in_backward,
               "leanddp.DistributedDataParallel: shard_optimizer_state needs optimizer_in_backward");
   TORCH_CHECK(!options_.shard_optimizer_state || options_.nan_check == NanCheck::kOff,
               "leanddp.DistributedDataParallel: check_for_nan_in_grad is not supported with "
               "shard_optimizer_state");
-  TORCH_CHECK(!options_.offload_to_cpu || options_.step_in_backward,
-              "leanddp.DistributedDataParallel: offload_to_cpu needs optimizer_in_backward");
-  TORCH_CHECK(!options_.max_grad_norm || options_.shard_optimizer_state || options_.offload_to_cpu,
-              "leanddp.DistributedDataParallel: max_grad_norm needs offload_to_cpu or "
-              "shard_optimizer_state");
+  TORCH_CHECK(!options_.accumulate_on_host || options_.optimizer_in_backward,
+              "leanddp.DistributedDataParallel: accumulate_on_host needs optimizer_in_backward");
   if (window_.device_ordered()) {
     const c10::Device device = params_.front().device();
     events_ = std::make_unique<EventPool>(device.type());
@@ -67,7 +68,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   auto assignment = assign_buckets(
       params_, order,
       options_.initial_caps_bytes.empty() ? options_.caps_bytes : options_.initial_caps_bytes,
-      options_.expect_sparse);
+      sparse_);
   std::sort(assignment.begin(), assignment.end(),
             [](const auto& a, const auto& b) { return a.front() > b.front(); });
   build_buckets(assignment);
@@ -88,7 +89,6 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
 }
 
 Reducer::~Reducer() {
-  if (steps_) steps_->shutdown();
   for (size_t i = 0; i < grad_accumulators_.size(); ++i) {
     grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
   }
@@ -96,10 +96,11 @@ Reducer::~Reducer() {
 
 Reducer::Detached Reducer::close() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (steps_) steps_->shutdown();
   Detached detached;
-  if (!process_group_) return detached;  // closed already
+  if (optimizer_) detached.optimizer = optimizer_->close();  // (idempotent)
+  if (!process_group_) return detached;                      // closed already
   armed_ = false;
+  tell_forward_waits();
   detached.process_group = std::move(process_group_);
   detached.works = std::move(works_);
   detached.futures = std::move(futures_);
@@ -108,7 +109,6 @@ Reducer::Detached Reducer::close() {
     detached.works.push_back(std::move(gather));
   }
   detached.comm_hook = std::move(comm_hook_);
-  if (steps_) detached.fallback = steps_->take_fallback();
   works_.assign(buckets_.size(), {});
   futures_.assign(buckets_.size(), {});
   return detached;
@@ -174,7 +174,7 @@ bool Reducer::tracks_unused() const {
 bool Reducer::should_rebuild() const {
   // (offload_to_cpu with shard_optimizer_state keeps its first layout: see offload.h)
   return !has_rebuilt_ && (options_.static_graph || !options_.find_unused_parameters) &&
-         !(options_.shard_optimizer_state && options_.offload_to_cpu);
+         !(options_.shard_optimizer_state && steps_on_host());
 }
 
 void Reducer::settle_finished_steps() {
@@ -212,6 +212,7 @@ void Reducer::reset_iteration_state() {
     b.pending = b.params.size();
     b.sparse_grad = at::Tensor();
   }
+  tell_forward_waits();
 }
 
 std::vector<std::string> Reducer::prepare_for_forward() {
@@ -244,6 +245,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   recover_unfinished();  // (prepare_for_forward did this already, unless the forward ran no_grad)
   reset_iteration_state();
   armed_ = true;
+  tell_forward_waits();
   peak_bucket_bytes_ = allocated_bytes_;
   max_in_flight_ = 0;
   reuses_.clear();
@@ -446,13 +448,14 @@ void Reducer::launch(size_t bucket_index) {
   }
   for (size_t s = 0; s < bucket.params.size(); ++s) {
     const auto p = static_cast<size_t>(bucket.params[s]);
-    if (sources_[p].defined() && options_.step_in_backward) {
+    if (sources_[p].defined() && options_.optimizer_in_backward) {
       params_[p].mutable_grad().reset();  // its value is in the bucket now
     } else if (sources_[p].defined() && options_.gradient_as_bucket_view) {
       params_[p].mutable_grad() = bucket.views[s];
       grad_was_view_[p] = 1;
     }
-    if (options_.gradient_as_bucket_view && !options_.step_in_backward) view_since_sync_[p] = 1;
+    if (options_.gradient_as_bucket_view && !options_.optimizer_in_backward)
+      view_since_sync_[p] = 1;
     sources_[p] = at::Tensor();
   }
   if (comm_hook_) {
@@ -471,7 +474,7 @@ void Reducer::launch(size_t bucket_index) {
       rethrow_collective_error("starting the reduction of bucket " + std::to_string(bucket_index));
     }
   }
-  if (window_.device_ordered() && options_.step_in_backward) {
+  if (window_.device_ordered() && options_.optimizer_in_backward) {
     // What the side stream waits for before stepping this bucket: its gradients are final (and
     // whatever a communication hook queued on the compute stream is done).
     launched_events_[bucket_index] = events_->record(current_stream(bucket.flat.device()));
@@ -529,7 +532,7 @@ void Reducer::finalize() {
     }
     std::vector<size_t> unstepped;
     for (size_t b = window_.stepped(); b < buckets_.size(); ++b) unstepped.push_back(b);
-    if (options_.step_in_backward) {
+    if (options_.optimizer_in_backward) {
       if (nan_.strict()) {
         for (size_t b : unstepped) collect_reduced(b);
         nan_.check(buckets_, unstepped);  // before any step: a NaN leaves every weight as it was
@@ -537,17 +540,24 @@ void Reducer::finalize() {
       if (clips_on_device()) {  // the coefficient every step takes (sharded)
         for (size_t b = 0; b < buckets_.size(); ++b) collect_reduced(b);
         shard_.clip(*process_group_, buckets_, *options_.max_grad_norm);
+        optimizer_->note_grad_norm(shard_.grad_norm());
       }
       advance_steps(StepWindow::Phase::kEnd, &used);  // (checks each bucket before its step)
       finish_gathers();  // (sharded on the CPU: the last buckets' gathers)
       // The caller's stream (where the loop goes on after backward) sees the stepped weights;
       // the host does not wait. offload_to_cpu: the next forward waits for the host steps.
       // (with offload only for the NaN check's flags, set on its device-to-host stream)
-      if (steps_->caller_follows() || nan_.armed()) follow_side_stream();
-      nan_.read_flags(buckets_, fused_optimizer());  // (device check: after the wait)
+      if (optimizer_->caller_follows() || nan_.armed()) follow_side_stream();
+      if (nan_.armed()) optimizer_->skipped(nan_.read_flags(buckets_));  // (after the wait)
       if (nan_.found()) raise_nonfinite(used);
-      steps_->end_of_backward(*process_group_,
-                              [this](const auto& stepped) { gather_back(stepped); });
+      optimizer_->end_of_backward();
+      if (options_.shard_optimizer_state && steps_on_host()) {
+        // Each bucket's stepped pieces are gathered into the parameters as soon as its own host
+        // step is done (GPU: the gather is ordered after that step's copy back, the host waits
+        // only for the worker to have queued it), so the gathers overlap the other host steps.
+        gather_back([this](size_t b) { optimizer_->wait_stepped(b); });
+        optimizer_->gathered();
+      }
     } else {
       for (size_t b : unstepped) collect_reduced(b);
       if (nan_.enabled()) nan_.check(buckets_, unstepped);
@@ -595,7 +605,7 @@ void Reducer::register_comm_hook(std::unique_ptr<CommHook> hook) {
               "shard_optimizer_state (each bucket is reduce-scattered, not handed to a hook)");
   comm_hook_ = std::move(hook);
   // A hook's collective keeps its bucket past its release on a GPU (recycler.h).
-  if (window_.device_ordered() && options_.step_in_backward) {
+  if (window_.device_ordered() && options_.optimizer_in_backward) {
     recycler_ = std::make_unique<BucketRecycler>(options_.buckets_in_flight + 1);
   }
 }

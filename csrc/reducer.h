@@ -5,40 +5,34 @@
 // the bucket is complete (in bucket order, identical on every rank), and finishes the iteration
 // from an autograd-engine callback queued at the first hook of a backward.
 //
-// With optimizer_in_backward (ReducerOptions::step_in_backward) it also steps each bucket's
-// parameters once the bucket is reduced and then releases the bucket's gradient memory:
+// With optimizer_in_backward the Reducer hands each reduced bucket to the InBackwardOptimizer
+// (in_backward_optimizer.h, set_optimizer) and then releases the bucket's gradient memory:
 // param.grad becomes None and the flat buffer is freed, to be allocated again at the bucket's
-// next gradient. When a bucket may be stepped is StepWindow's decision (step_window.h):
-//   * CPU buckets (host progress): a bucket is stepped at a hook once its reduction reports done;
-//   * GPU buckets (device order): right after a bucket's reduction is launched, a side stream
-//     waits for it (Work::wait / the future's wait with the side stream current blocks the
-//     stream, not the host), the fused step is enqueued there, the bucket's memory is recorded
-//     on that stream and released at once. The compute stream never waits for a reduction
-//     inside backward; the end of backward orders the caller's stream after the side stream, and
-//     so do forwards and the accessors that hand out or load optimizer state (wait_idle);
+// next gradient. What the Reducer knows of the optimizer is that seam: the stream a GPU step is
+// queued on and whether the caller's stream follows it, take() a bucket, the end of backward,
+// abandon, relayout. When a bucket is handed over is StepWindow's decision (step_window.h):
+//   * CPU buckets (host progress): at a hook once its reduction reports done;
+//   * GPU buckets (device order): right after a bucket's reduction is launched, the optimizer's
+//     stream waits for it (Work::wait / the future's wait with that stream current blocks the
+//     stream, not the host), the step is enqueued there, the bucket's memory is recorded on that
+//     stream and released at once. The compute stream never waits for a reduction inside
+//     backward; the end of backward orders the caller's stream after the optimizer's where the
+//     optimizer says so (device steps);
 //   * either way at most ReducerOptions::buckets_in_flight buckets are launched but not finished:
 //     before another launch the oldest is stepped (waiting for its reduction) and, on a GPU, its
 //     step is waited for. Nothing else on the hot path waits for the device.
-// With shard_optimizer_state a bucket is reduce-scattered instead of allreduced, its step covers
-// this rank's shard, and the stepped shards are all-gathered back into the parameters as part of
-// the bucket's step (on the side stream on a GPU; on the CPU the host waits for the gather at the
-// next bucket's step).
-// Its steps run only where the window forces them (before a launch when it is full, and at the
-// end of backward), never as reductions happen to complete: so every rank issues its
-// reduce-scatters and all-gathers in the same order on the one process group. On the CPU a
-// bucket's gather is waited for at the next bucket's step (or the end of backward), so one more
-// bucket may be allocated than the window holds.
-// With offload_to_cpu (set_optimizer with a HostOffload) the step is handed to HostOffload
-// instead: on a GPU its device-to-host stream takes the side stream's place; the bucket is copied
-// to the host and released, and the next forward waits for each bucket's host step as it reads
-// the bucket's parameters (pending_steps, wait_for_bucket; wait_for_steps for the rest).
-// With accumulate_on_host (offload_to_cpu) a no_sync() backward hands each bucket, once its
-// gradients are complete, to the HostAccumulator (host_accum.h) and releases it; the next
-// synchronized backward adds each bucket's host sum at its launch, before the reduction
+// With shard_optimizer_state a bucket is reduce-scattered instead of allreduced, the optimizer
+// steps this rank's shard, and the Reducer all-gathers the stepped shards back into the
+// parameters (on the optimizer's stream on a GPU; on the CPU the host waits for the gather at
+// the next bucket's step; host steps: at the end of backward, each bucket once the optimizer
+// says its host step is done). Steps run only where the window forces them (before a launch
+// when it is full, and at the end of backward), never as reductions happen to complete: so
+// every rank issues its reduce-scatters and all-gathers in the same order on the one process
+// group.
+// With accumulate_on_host (an optimizer stepping on the host) a no_sync() backward hands each
+// bucket, once its gradients are complete, to the HostAccumulator (host_accum.h) and releases it;
+// the next synchronized backward adds each bucket's host sum at its launch, before the reduction
 // (reducer_accum.cpp).
-// What a step does is the step strategy's (step_strategy.h: DeviceSteps or HostSteps, built by
-// set_optimizer): step_bucket reads collect, check, strategy.step, release, and the end of
-// backward hands over to strategy.end_of_backward.
 //
 // Failures (see docs/reliability.md): a reduction that fails is rethrown into backward with what
 // was being reduced; a backward that raised part-way is wound up at the next forward, the same way
@@ -47,24 +41,23 @@
 //
 // Concerns with state of their own, owned by the Reducer and called under `mu_`: the NaN check
 // (NonFiniteCheck, nan_check.h), shard_optimizer_state's cut, gathers and clipping
-// (ShardGather, shard_gather.h), and the optimizer with what stepping needs (StepStrategy,
-// step_strategy.h).
+// (ShardGather, shard_gather.h), and the host sums of no_sync() micro-batches (HostAccumulator).
 //
 // Threading: hooks and the final callback run on autograd's threads; the Python-facing methods
-// run on the caller's thread with the GIL released. All mutable state is guarded by `mu_`.
+// run on the caller's thread with the GIL released. All mutable state is guarded by `mu_`; the
+// optimizer's own lock is taken after it, never before.
 #pragma once
 
 #include "bucket.h"
 #include "comm_hook.h"
 #include "errors.h"
-#include "fused_optim.h"
+#include "host_accum.h"
+#include "in_backward_optimizer.h"
 #include "nan_check.h"
-#include "offload.h"
 #include "recycler.h"
 #include "run_stats.h"
 #include "shard.h"
 #include "shard_gather.h"
-#include "step_strategy.h"
 #include "step_window.h"
 #include "stepper.h"
 #include "streams.h"
@@ -77,6 +70,7 @@
 
 #include <array>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -111,46 +105,29 @@ struct ReducerOptions {
   // The set of used parameters is the same every iteration: found once, in the first one.
   bool static_graph = false;
   // optimizer_in_backward: buckets are stepped (set_optimizer) and released inside backward.
-  bool step_in_backward = false;
-  // Per parameter (empty: none): its gradient is a sparse tensor (torch's expect_sparse_gradient:
-  // nn.Embedding/EmbeddingBag(sparse=True)). It gets a bucket of its own, is never a view, and is
-  // reduced with the process group's allreduce of the sparse tensor (reducer_sparse.cpp). Not
-  // with step_in_backward.
-  std::vector<bool> expect_sparse;
+  bool optimizer_in_backward = false;
+  // The parameters (by name) whose gradient is a sparse tensor (torch's
+  // expect_sparse_gradient: nn.Embedding/EmbeddingBag(sparse=True)). Each gets a bucket of its
+  // own, is never a view, and is reduced with the process group's allreduce of the sparse
+  // tensor (reducer_sparse.cpp). Not with optimizer_in_backward.
+  std::vector<std::string> sparse_names;
   // optimizer_in_backward: most buckets launched but not yet stepped and finished (StepWindow).
   size_t buckets_in_flight = kBucketsInFlight;
   NanCheck nan_check = NanCheck::kOff;
-  // shard_optimizer_state (with step_in_backward and a fused optimizer): each bucket is padded
+  // shard_optimizer_state (with optimizer_in_backward and a fused optimizer): each bucket is padded
   // to equal shards and reduce-scattered (shard.h); this rank steps, and keeps optimizer state
   // for, its shard only, then the stepped shards are all-gathered into the parameters before
   // the bucket is released. No communication hook, NaN check or GradScaler with it.
   bool shard_optimizer_state = false;
-  // offload_to_cpu (with step_in_backward and a fused optimizer kind): set_optimizer builds a
-  // HostOffload that steps every bucket on the host with `offload_threads` threads.
-  bool offload_to_cpu = false;
-  int offload_threads = 1;
-  // offload_to_cpu: no_sync() micro-batches' gradients are summed on the host (HostAccumulator,
-  // host_accum.h), each bucket released from the device as soon as it is complete.
+  // With an optimizer that steps on the host (offload_to_cpu): no_sync() micro-batches'
+  // gradients are summed on the host (HostAccumulator, host_accum.h) by the optimizer's host
+  // worker, each bucket released from the device as soon as it is complete.
   bool accumulate_on_host = false;
-  // offload_to_cpu or shard_optimizer_state: clip the gradients' global 2-norm to this (torch's
-  // clip_grad_norm_). With offload_to_cpu the host steps clip (OffloadOptions); sharded on the
-  // device, the steps wait for the end of backward, where the squared norms of every rank's
-  // shards are summed by one allreduce of a scalar (on a GPU the host reads it: one
-  // synchronization).
+  // Clip the gradients' global 2-norm to this (torch's clip_grad_norm_). Host steps clip
+  // themselves; sharded on the device, the steps wait for the end of backward, where the
+  // squared norms of every rank's shards are summed by one allreduce of a scalar (on a GPU the
+  // host reads it: one synchronization), and each step takes the coefficient.
   std::optional<double> max_grad_norm;
-};
-
-// What Reducer::set_optimizer needs (optimizer_in_backward): the fused optimizer's kind (none:
-// every bucket goes to `fallback`), its parameter groups, and the device its step counts live
-// on; the parameters are the Reducer's. Whether the steps run on the host, with how many
-// threads and what clipping, is the Reducer's ReducerOptions.
-struct OptimizerSpec {
-  std::optional<OptimKind> kind;
-  std::vector<int64_t> group_of;  // per parameter: its group
-  std::vector<OptimHyper> groups;
-  c10::Device step_device{c10::kCPU};
-  // Steps the buckets the fused kernels do not cover (unused with offload_to_cpu).
-  std::unique_ptr<BucketStepper> fallback;
 };
 
 // Bytes the Reducer accounts for (see Reducer::memory_stats()).
@@ -160,7 +137,6 @@ struct MemoryStats {
   int64_t grads_as_views = 0;  // parameters whose grad is a view into its bucket
   int64_t grads_outside = 0;   // parameters whose grad is a tensor of its own
   int64_t num_buckets = 0;
-  int64_t optimizer_state_bytes = 0;  // the fused in-backward optimizer's state
   // During the last synchronized backward: the most bucket bytes allocated at once (on a GPU,
   // counting released buckets whose step may still be running on the device), and the most
   // buckets launched but not yet stepped and finished (optimizer_in_backward).
@@ -169,14 +145,10 @@ struct MemoryStats {
   // Released bucket storage kept for the next buckets (a comm hook with optimizer_in_backward on
   // a GPU: recycler.h); counted in peak_bucket_bytes, not in bucket_bytes.
   int64_t recycled_bucket_bytes = 0;
-  // offload_to_cpu: float32 master weights, and staging/low-precision buffers, on the host; and
+  // accumulate_on_host: the no_sync() micro-batches' sums and incoming copies on the host, and
   // how many of those bytes are pinned (page-locked).
-  int64_t host_master_bytes = 0;
-  int64_t host_buffer_bytes = 0;
-  int64_t host_pinned_bytes = 0;
-  // accumulate_on_host: the no_sync() micro-batches' sums and incoming copies on the host
-  // (counted in host_pinned_bytes where pinned).
   int64_t host_accumulation_bytes = 0;
+  int64_t host_pinned_bytes = 0;
 };
 
 class Reducer {
@@ -186,11 +158,10 @@ class Reducer {
   // `params`: the trainable parameters, registration order, no duplicates, all on one device,
   // dense. `names` names them in errors. Allocates the buckets and installs the hooks; performs
   // no collective. Raises, naming the parameter, if one expects sparse gradients and
-  // options.step_in_backward is set.
+  // options.optimizer_in_backward is set.
   Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
           c10::intrusive_ptr<c10d::ProcessGroup> process_group, ReducerOptions options);
-  // Stops the offload worker, removes the hooks. In-flight reductions keep their own references
-  // to the buckets.
+  // Removes the hooks. In-flight reductions keep their own references to the buckets.
   ~Reducer();
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
@@ -219,111 +190,41 @@ class Reducer {
   // Replaces the built-in allreduce by `hook` (before the first backward).
   void register_comm_hook(std::unique_ptr<CommHook> hook);
 
-  // optimizer_in_backward (before the first backward): buckets the fused optimizer of
-  // `spec.kind` can step are stepped in C++, the others by `spec.fallback`; or, with
-  // options.offload_to_cpu, every bucket is stepped on the host by a HostOffload built here.
-  void set_optimizer(OptimizerSpec spec);
+  // optimizer_in_backward (before the first backward, once): every reduced bucket is handed to
+  // `optimizer` (its layout given to it now), which the Reducer keeps. With accumulate_on_host
+  // the optimizer steps on the host, and its host worker sums the no_sync() micro-batches.
+  void set_optimizer(std::shared_ptr<InBackwardOptimizer> optimizer);
   // What the Reducer was built with (static_graph as set since).
   const ReducerOptions& options() const { return options_; }
-  // Called at each forward, and before parameters are read another way: the current stream is
-  // ordered after the last backward's device steps (optimizer_in_backward on a GPU; the host does
-  // not wait), and the host waits for its host steps (offload_to_cpu) and rethrows an error met
-  // there. `host_too`: the host waits for the copies back as well (not only the current stream).
-  void wait_for_steps(bool host_too);
-  // offload_to_cpu: the buckets whose host steps are not done yet (the worker's, not the
-  // device's); empty otherwise, once the worker met an error (wait_for_steps raises it), and
-  // where the next forward waits for the worker anyway (it rebuilds the buckets, or winds up
-  // a backward that raised). A bucket whose step was dropped (an abandoned backward, the NaN
-  // check) is not pending. With `follow_copies` (the forward's call) and something pending, on
-  // a GPU the current stream is then ordered after every copy back queued so far (one event,
-  // the host does not wait): the buckets not listed were stepped, but their copies back to the
-  // device may still run, and the forward reads them without a wait of its own.
-  std::vector<int64_t> pending_steps(bool follow_copies = false) const;
-  // The next forward where pending_steps() is empty: as wait_for_steps(false), except that with
-  // offload_to_cpu and no host step pending the host does not wait for the worker (it may be
-  // summing no_sync() micro-batches); an error it met is rethrown, and on a GPU the current
-  // stream waits for the copies back.
-  void follow_steps();
-  // The host waits for bucket `index`'s host step (only), then on a GPU the current stream
-  // waits for its copy back; a no-op without offload_to_cpu. The next forward calls it for each
-  // pending bucket as it reads the bucket's parameters.
-  void wait_for_bucket(int64_t index);
-  // Tests: the host worker sleeps `seconds` before each host step and each addition of a
-  // no_sync() micro-batch (accumulate_on_host) from now on (0: not); with `additions`, before
-  // each addition of bucket b `additions[b]` seconds instead.
-  void delay_host_steps(double seconds, std::optional<std::vector<double>> additions);
-  // Tests, offload_to_cpu under host ordering (streams.h): the copies back to the parameters
-  // run `seconds` after the worker queued them, as a GPU's may.
-  void delay_copies_back(double seconds);
-  // Tests, offload_to_cpu on a GPU: the stream the copies back run on (work a test queues there
-  // delays them), as (stream id, device index, device type); none without one.
-  std::optional<std::tuple<int64_t, int64_t, int64_t>> copy_back_stream() const;
   // accumulate_on_host: drops the no_sync() micro-batches' gradients summed on the host
   // (zero_grad() during an accumulation); a no-op otherwise.
   void discard_host_gradients();
-  // What close() lets go of, for the caller to destroy where it may: the process group and
-  // in-flight works without the GIL (tearing down a process group joins its threads), the
-  // communication hook and fallback stepper (they hold Python objects) with it.
+  // Tests, accumulate_on_host: the host worker sleeps `seconds[b]` before each addition of
+  // bucket b from now on (empty: the worker's step delay).
+  void delay_additions(std::vector<double> seconds);
+  // What close() lets go of, for the caller to destroy where it may: the process groups (the
+  // Reducer's and the optimizer's) and in-flight works without the GIL (tearing down a process
+  // group joins its threads), the communication hook and fallback stepper (they hold Python
+  // objects) with it.
   struct Detached {
     c10::intrusive_ptr<c10d::ProcessGroup> process_group;
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
     std::unique_ptr<CommHook> comm_hook;
-    std::unique_ptr<BucketStepper> fallback;
+    InBackwardOptimizer::Detached optimizer;
   };
   // At interpreter exit (Python's atexit) or when the wrapper is collected, whichever comes
-  // first: stops the offload worker (once the host steps already queued are done; later ones
-  // are dropped) and detaches the process group, the in-flight works, the
+  // first: closes the optimizer (its host worker stops once the host steps already queued are
+  // done; later ones are dropped) and detaches the process group, the in-flight works, the
   // communication hook and the fallback stepper, so that none of them is torn down during
   // interpreter finalization, when threads other than the main one can no longer take the GIL.
   // Parameters, gradients and optimizer state stay readable. Afterwards a forward that prepares
   // a synchronized backward, or a bucket rebuild, raises. Idempotent.
   Detached close();
   bool closed() const;
-  OffloadStats offload_stats() const;
-  // Sets a low-precision parameter's float32 master weight (offload_to_cpu checkpoints).
-  void load_master_weight(size_t p, const at::Tensor& value);
-  // offload_to_cpu: the master weights were loaded in place, into the views
-  // local_optimizer_state handed out (torch.distributed.checkpoint): they, not the parameters'
-  // rounded values, are what the next steps start from.
-  void adopt_master_weights();
-  // The fused optimizer's live hyper-parameters, one per group (called at each forward): for
-  // the steps after the last backward's (with offload_to_cpu set by the worker after those, so
-  // the caller does not wait for it).
-  void set_optimizer_groups(std::vector<OptimHyper> groups);
-  // torch.amp.GradScaler for the next backward's steps (called at each forward; undefined
-  // tensors: none): `scale` is the scaler's scale, `found_inf` a zeroed float32 scalar. Each
-  // bucket's gradients are checked on the device before its step (set to 1 on an inf/NaN) and
-  // the kernels skip the step while it is set: the bucket that overflows and every bucket
-  // stepped after it in this backward. Fused buckets only (the caller refuses the others).
-  void set_grad_scaler(at::Tensor scale, at::Tensor found_inf);
-  // Parameter p's fused optimizer state in torch's format (empty if none, or not fused); with
-  // offload_to_cpu a low-precision parameter's float32 master weight is added as
-  // "master_weight".
-  std::vector<std::pair<std::string, at::Tensor>> optimizer_state(size_t p) const;
-  // Loads parameter p's fused optimizer state (see FusedOptimizer::load_state).
-  void load_optimizer_state(size_t p, int64_t step, const std::vector<at::Tensor>& values);
-  // Changes when the fused optimizer's state tensors are created, moved or loaded.
-  int64_t optimizer_generation() const;
-  // shard_optimizer_state: every parameter's fused optimizer state in torch's format, gathered
-  // from every rank's shard (a collective: every rank calls it, outside backward, and every
-  // rank gets the whole state); one entry per parameter, empty where it has none.
-  std::vector<std::vector<std::pair<std::string, at::Tensor>>> gathered_optimizer_state();
-  // shard_optimizer_state, between iterations, for checkpoints that stay sharded: every
-  // parameter's pieces on every rank, as (rank, first element, elements) of the parameter seen
-  // 1-D in its memory order; this rank's pieces of the state as (parameter, torch's key, a live
-  // 1-D view of the state buffer, which a checkpoint may load into), float32 masters included
-  // with offload_to_cpu ("master_weight"; one not made yet is made from its parameter first,
-  // so it is made on every rank); and the step counts (the same on every rank), which
-  // set_optimizer_steps() sets, leaving the buffers as they are.
-  std::vector<std::vector<std::array<int64_t, 3>>> shard_placement() const;
-  std::vector<std::tuple<int64_t, std::string, at::Tensor>> local_optimizer_state();
-  std::vector<int64_t> optimizer_steps() const;
-  void set_optimizer_steps(const std::vector<int64_t>& steps);
-
   MemoryStats memory_stats() const;
-  // CUDA events created so far for ordering steps and copies (they are pooled: this stays
-  // constant once every bucket has been through a step).
+  // CUDA events created so far for ordering the optimizer's stream and the host sums' copies
+  // (they are pooled: this stays constant once every bucket has been through a step).
   int64_t events_created() const;
   // Tests: since the last forward that prepared a synchronized backward, each bucket that got
   // released storage from the recycler (a comm hook with in-backward steps on a GPU), as
@@ -391,9 +292,17 @@ class Reducer {
   void recover_unfinished();
   // Whether buckets are stepped from the hooks as their reductions finish (else at the end).
   bool steps_in_hooks() const;
-  // max_grad_norm applied by the device steps (shard_optimizer_state without offload_to_cpu,
-  // whose host steps clip): they wait for the end of backward (ShardGather::clip).
-  bool clips_on_device() const { return options_.max_grad_norm && !options_.offload_to_cpu; }
+  // Whether the optimizer steps on the host (offload_to_cpu; false before set_optimizer).
+  bool steps_on_host() const { return optimizer_ && optimizer_->steps_on_host(); }
+  // max_grad_norm applied by the device steps (sharded; host steps clip themselves): they wait
+  // for the end of backward (ShardGather::clip).
+  bool clips_on_device() const { return options_.max_grad_norm && !steps_on_host(); }
+  // Tells the optimizer whether the next forward waits for every step (it winds up an
+  // unfinished backward or rebuilds the buckets): after armed_ or rebuild_due() may change.
+  void tell_forward_waits();
+  // Before the buckets or parameters are changed from outside backward: waits for the
+  // optimizer's steps (InBackwardOptimizer::wait).
+  void wait_for_optimizer();
   // Rethrows the exception being handled with `what` failed, and what that usually means.
   [[noreturn]] void rethrow_collective_error(const std::string& what) const;
   // Records `message` for take_usage_error() and raises it (see LEANDDP_USAGE_CHECK).
@@ -406,7 +315,7 @@ class Reducer {
   // its end (it never finishes them: they would pile up, one event and one bucket's bytes per
   // bucket per iteration); their bytes no longer count as in use.
   void settle_finished_steps();
-  // Lays out new buckets (storage allocated unless step_in_backward).
+  // Lays out new buckets (storage allocated unless optimizer_in_backward).
   void build_buckets(const std::vector<std::vector<int64_t>>& assignment);
   bool tracks_unused() const;  // this iteration learns which parameters are globally unused
   bool should_rebuild() const;
@@ -422,9 +331,7 @@ class Reducer {
   // "the reduction of bucket i (names)": what a failed reduction's error names.
   std::string reduction_of(size_t bucket_index) const;
   // Sparse buckets (reducer_sparse.cpp), called where the dense path would run for them.
-  bool expects_sparse(size_t index) const {
-    return !options_.expect_sparse.empty() && options_.expect_sparse[index];
-  }
+  bool expects_sparse(size_t index) const { return sparse_[index] != 0; }
   // At launch: takes the parameter's gradient (an empty sparse tensor if it has none on this
   // rank), divides it in place by the world size (unless a comm hook reduces), and starts its
   // allreduce, or hands it to the comm hook as the bucket's buffer (torch's contract). The
@@ -447,10 +354,11 @@ class Reducer {
   // Whether bucket `index`'s reduction is ready to be consumed: done (CPU), or ordered on the
   // device so that a stream can wait for it (GPU: the work's future is complete on the host).
   bool reduction_ready(size_t index) const;
-  // Steps bucket `index` (on a GPU: enqueues its step on the side stream, behind its reduction)
-  // and releases it.
+  // Hands bucket `index` to the optimizer (on a GPU: its step is enqueued on the side stream,
+  // behind its reduction), gathers it back where sharded device steps stepped it, and releases
+  // it.
   void step_bucket(size_t index, const std::vector<int32_t>* used);
-  // GPU: the stream buckets are stepped on (HostOffload's device-to-host stream with offload).
+  // GPU: the stream buckets are stepped on (the optimizer's).
   c10::Stream side_stream() const;
   // GPU, optimizer_in_backward: the current stream waits for the work queued so far on the side
   // stream (the host does not wait); nothing otherwise.
@@ -465,31 +373,14 @@ class Reducer {
   void release(size_t bucket_index);
   // shard_optimizer_state (shard_gather.h): gather_back() gathers every rank's stepped pieces
   // of every bucket into the parameters, in bucket order, calling `stepped(b)` before bucket
-  // b's gather (HostSteps: its host step is done); b's gather is in flight while b + 1's step
+  // b's gather (host steps: its host step is done); b's gather is in flight while b + 1's step
   // is waited for, so at most two buckets are allocated (on a GPU the current stream waits for
   // the gathers, on the CPU the host). finish_gathers() finishes the gathers a CPU backward
   // deferred and releases their buckets (at the next bucket's step or the end of backward, so
   // that each gather overlaps the backward computation in between).
   void gather_back(const std::function<void(size_t)>& stepped);
   void finish_gathers();
-  // shard_optimizer_state: the fused optimizer's state buffers of bucket `index` of `buckets`
-  // (cut by `shards`) gathered whole, padded (a collective).
-  std::vector<at::Tensor> gather_state(const std::vector<Bucket>& buckets,
-                                       const std::vector<ShardLayout>& shards, size_t index);
-  // The fused optimizer, wherever it lives (null if none). With offload_to_cpu the worker must
-  // be idle (wait_idle()).
-  FusedOptimizer* fused_optimizer() const;
-  // offload_to_cpu, from set_optimizer on: the HostOffload that steps every bucket on the host
-  // (HostSteps'); null otherwise.
-  HostOffload* host_offload() const { return steps_ ? steps_->host() : nullptr; }
-  HostAccumulator* accumulator() const { return steps_ ? steps_->accumulator() : nullptr; }
-  // Before the optimizer, its state or the parameters are touched from outside backward: on a
-  // GPU the current stream waits for the side stream (device steps; not if `order_device` is
-  // false, for reads of host counters, which may happen inside backward); with offload_to_cpu
-  // the host waits for the worker, and with `host_too` also for the copies back, which read the
-  // masters (before masters are written). Without it the host does not wait for the copy stream:
-  // reads and state updates need only the worker idle.
-  void wait_idle(bool host_too = false, bool order_device = true) const;
+  HostAccumulator* accumulator() const { return accumulator_.get(); }
 
   // Fixed at construction.
   std::vector<at::Tensor> params_;
@@ -501,6 +392,7 @@ class Reducer {
   std::vector<uintptr_t> hook_keys_;
   std::unordered_map<const torch::autograd::Node*, size_t> accumulator_index_;
   double div_factor_;
+  std::vector<bool> sparse_;  // per parameter: named in options_.sparse_names
   // GPU only: the events that order the side stream and the compute stream.
   std::unique_ptr<EventPool> events_;
 
@@ -514,8 +406,11 @@ class Reducer {
   // synchronized one; a static graph's second), each parameter once.
   std::vector<int64_t> ready_order_;
   std::unique_ptr<CommHook> comm_hook_;
-  // optimizer_in_backward (set_optimizer): the optimizer and how a bucket is stepped.
-  std::unique_ptr<StepStrategy> steps_;
+  // optimizer_in_backward (set_optimizer): the optimizer the reduced buckets are handed to (also
+  // held by leanddp.optim), and with accumulate_on_host the host sums (declared after it:
+  // destroyed first, as they use its host worker).
+  std::shared_ptr<InBackwardOptimizer> optimizer_;
+  std::unique_ptr<HostAccumulator> accumulator_;
 
   // Per synchronized backward; reset by prepare_for_backward().
   bool armed_ = false;  // hooks count readiness (false: no_sync / no forward)

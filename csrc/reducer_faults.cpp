@@ -43,15 +43,15 @@ bool Reducer::abandon_iteration(bool step_launched) {
   if (nan_.armed()) {
     try {  // the device NaN check: the counts of the steps its flags skipped go back
       follow_side_stream();  // (the flags were set on the side stream)
-      nan_.read_flags(buckets_, fused_optimizer());
+      optimizer_->skipped(nan_.read_flags(buckets_));
     } catch (...) {
       ok = false;
     }
   }
-  if (options_.step_in_backward) {
+  if (options_.optimizer_in_backward) {
     for (size_t b = 0; b < buckets_.size(); ++b) release(b);  // this step's gradients are dropped
   }
-  if (steps_) steps_->abandon();
+  if (optimizer_) optimizer_->abandon();
   reset_iteration_state();
   std::fill(local_used_.begin(), local_used_.end(), 0);
   return ok;
@@ -61,7 +61,7 @@ void Reducer::recover_unfinished() {
   if (!armed_) return;
   const bool started = callback_queued_;  // a hook fired: the backward ran part of the way
   const bool ok = abandon_iteration(/*step_launched=*/started);
-  wait_idle();  // its device or host steps land before this forward
+  wait_for_optimizer();  // its device or host steps land before this forward
   TORCH_CHECK(ok, "leanddp.DistributedDataParallel: rank ", rank_,
               ": the last backward raised part-way and its gradient reductions failed too; "
               "the process group cannot be used for training any more (another rank has "
@@ -69,8 +69,8 @@ void Reducer::recover_unfinished() {
 }
 
 bool Reducer::steps_in_hooks() const {
-  return options_.step_in_backward && !tracks_unused() && !clips_on_device() &&
-         !(nan_.strict() && !host_offload());
+  return options_.optimizer_in_backward && !tracks_unused() && !clips_on_device() &&
+         !(nan_.strict() && !steps_on_host());
 }
 
 void Reducer::rethrow_collective_error(const std::string& what) const {
@@ -80,7 +80,7 @@ void Reducer::rethrow_collective_error(const std::string& what) const {
 void Reducer::raise_nonfinite(const std::vector<int32_t>& used) const {
   // (the steps before the bad bucket ran unless they waited for the end of backward:
   // offload_to_cpu holds them, strict defers them)
-  nan_.raise(names_, buckets_, used, !host_offload() && !nan_.strict());
+  nan_.raise(names_, buckets_, used, !steps_on_host() && !nan_.strict());
 }
 
 }  // namespace leanddp

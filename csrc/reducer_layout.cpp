@@ -19,13 +19,13 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
       location_[static_cast<size_t>(indices[s])] = {buckets_.size(), s};
     }
     const bool sparse = indices.size() == 1 && expects_sparse(static_cast<size_t>(indices[0]));
-    buckets_.push_back(make_bucket(params_, indices, !options_.step_in_backward, sparse));
+    buckets_.push_back(make_bucket(params_, indices, !options_.optimizer_in_backward, sparse));
     if (buckets_.back().allocated()) {
       allocated_bytes_ += buckets_.back().bytes();
       ++allocated_buckets_;
     }
   }
-  // (shard_optimizer_state implies step_in_backward: nothing is allocated yet)
+  // (shard_optimizer_state implies optimizer_in_backward: nothing is allocated yet)
   if (options_.shard_optimizer_state) shard_.cut_all(buckets_, *process_group_);
 }
 
@@ -33,7 +33,7 @@ bool Reducer::rebuild_buckets() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!rebuild_due()) return false;
   check_open("rebuilding the buckets");
-  wait_idle();  // offload_to_cpu: the host state is relaid below (raises before any change)
+  wait_for_optimizer();  // the optimizer's state is relaid below (raises before any change)
   const size_t n = params_.size();
   std::vector<char> seen(n, 0);
   std::vector<int64_t> order;
@@ -64,19 +64,12 @@ bool Reducer::rebuild_buckets() {
     seen[static_cast<size_t>(i)] = 1;
   }
   at::NoGradGuard no_grad;
-  // Sharded, a parameter's state may move to another rank: each old bucket's state is gathered
-  // whole first (a collective, in bucket order on every rank), and each rank keeps its pieces.
-  std::vector<std::vector<at::Tensor>> old_full;
-  FusedOptimizer* fused = fused_optimizer();
-  if (fused && fused->sharded()) {
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      old_full.push_back(gather_state(buckets_, shard_.shards(), b));
-    }
-  }
-  const std::vector<Bucket> old_buckets = std::move(buckets_);
-  build_buckets(assign_buckets(params_, order, options_.caps_bytes, options_.expect_sparse));
+  build_buckets(assign_buckets(params_, order, options_.caps_bytes, sparse_));
   if (recycler_) recycler_->clear();  // buffers cut for the old layout's bucket sizes
-  if (steps_) steps_->relayout(old_buckets, buckets_, shard_.shards(), old_full);
+  // The state follows its parameters (sharded: gathered from the old shards first, collectives
+  // in bucket order on every rank).
+  if (optimizer_) optimizer_->relayout(buckets_, shard_.shards());
+  if (accumulator_) accumulator_->set_layout(buckets_);
   if (options_.gradient_as_bucket_view) {
     for (size_t i = 0; i < n; ++i) {
       at::Tensor& grad = params_[i].mutable_grad();
@@ -92,6 +85,7 @@ bool Reducer::rebuild_buckets() {
   reset_iteration_state();
   has_rebuilt_ = true;
   ready_order_.clear();
+  tell_forward_waits();
   return true;
 }
 
@@ -100,19 +94,10 @@ MemoryStats Reducer::memory_stats() const {
   MemoryStats stats;
   stats.num_buckets = static_cast<int64_t>(buckets_.size());
   stats.bucket_bytes = allocated_bytes_;
-  wait_idle(/*host_too=*/false, /*order_device=*/false);  // (reads host counters only)
-  if (HostOffload* offload = host_offload()) {
-    const OffloadStats host = offload->stats();
-    stats.host_master_bytes = host.master_bytes;
-    stats.host_buffer_bytes = host.host_buffer_bytes;
-    stats.host_pinned_bytes = host.pinned_bytes;
-  }
   if (HostAccumulator* acc = accumulator()) {
     stats.host_accumulation_bytes = acc->host_bytes();
-    stats.host_pinned_bytes += acc->pinned_bytes();
+    stats.host_pinned_bytes = acc->pinned_bytes();
   }
-  FusedOptimizer* fused = fused_optimizer();
-  stats.optimizer_state_bytes = fused ? fused->state_bytes() : 0;
   stats.peak_bucket_bytes = peak_bucket_bytes_;
   stats.max_buckets_in_flight = max_in_flight_;
   stats.recycled_bucket_bytes = recycler_ ? recycler_->bytes() : 0;

@@ -112,4 +112,13 @@ c10::intrusive_ptr<c10d::Work> gather_shards(const c10::intrusive_ptr<c10d::Proc
 #pragma GCC diagnostic pop
 }
 
+ShardLayout cut_bucket(const Bucket& bucket, const std::vector<at::Tensor>& params, int64_t world,
+                       int64_t rank) {
+  std::vector<int64_t> numels;
+  for (int64_t p : bucket.params) numels.push_back(params[static_cast<size_t>(p)].numel());
+  const int64_t align = std::max<int64_t>(
+      1, 16 / static_cast<int64_t>(params[static_cast<size_t>(bucket.params[0])].element_size()));
+  return shard_layout(bucket.offsets, numels, bucket.numel, align, world, rank);
+}
+
 }  // namespace leanddp

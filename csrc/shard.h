@@ -8,6 +8,8 @@
 // A rank steps, and keeps optimizer state for, only the pieces of parameters inside its shard.
 #pragma once
 
+#include "bucket.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -40,6 +42,11 @@ struct ShardLayout {
 // below 1, or slots that do not fit the bucket.
 ShardLayout shard_layout(const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
                          int64_t bucket_numel, int64_t align, int64_t world, int64_t rank);
+
+// Rank `rank`'s shard of `bucket` (of `params`) among `world` ranks: shard_layout() with shards
+// at least 16 bytes apart (aligned for the vector kernels and for NCCL).
+ShardLayout cut_bucket(const Bucket& bucket, const std::vector<at::Tensor>& params, int64_t world,
+                       int64_t rank);
 
 // Starts reducing (summing) `flat`, the padded bucket (1-D, contiguous, `layout.padded`
 // elements), over `group`, so that this rank's shard, `flat`'s elements [begin, begin +

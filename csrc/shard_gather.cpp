@@ -12,19 +12,10 @@
 
 namespace leanddp {
 
-ShardLayout ShardGather::cut(const Bucket& bucket, int64_t world, int64_t rank) const {
-  std::vector<int64_t> numels;
-  for (int64_t p : bucket.params) numels.push_back(params_[static_cast<size_t>(p)].numel());
-  // Shards start 16 bytes apart at least: aligned for the vector kernels and for NCCL.
-  const int64_t align = std::max<int64_t>(
-      1, 16 / static_cast<int64_t>(params_[static_cast<size_t>(bucket.params[0])].element_size()));
-  return shard_layout(bucket.offsets, numels, bucket.numel, align, world, rank);
-}
-
 void ShardGather::cut_all(std::vector<Bucket>& buckets, const c10d::ProcessGroup& group) {
   shards_.clear();
   for (Bucket& bucket : buckets) {
-    shards_.push_back(cut(bucket, group.getSize(), group.getRank()));
+    shards_.push_back(cut_bucket(bucket, params_, group.getSize(), group.getRank()));
     bucket.padded_numel = shards_.back().padded;
   }
 }

@@ -36,8 +36,6 @@ class ShardGather {
               int rank)
       : params_(params), names_(names), rank_(rank) {}
 
-  // Rank `rank`'s shard of `bucket` among `world` ranks.
-  ShardLayout cut(const Bucket& bucket, int64_t world, int64_t rank) const;
   // Cuts this rank's shard of every bucket (a new layout) and pads the buckets to it.
   void cut_all(std::vector<Bucket>& buckets, const c10d::ProcessGroup& group);
   // This rank's shard of each bucket (empty until cut_all: not sharded).

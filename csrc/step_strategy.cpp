@@ -15,21 +15,20 @@ int64_t StepStrategy::generation() const {
 DeviceSteps::DeviceSteps(std::unique_ptr<FusedOptimizer> fused,
                          std::unique_ptr<BucketStepper> fallback, std::optional<c10::Stream> stream,
                          bool sharded, const std::vector<at::Tensor>& params,
-                         const std::vector<std::string>& names, ShardGather& shard,
-                         NonFiniteCheck& nan)
+                         const std::vector<std::string>& names)
     : fused_(std::move(fused)),
       fallback_(std::move(fallback)),
       stream_(stream),
       sharded_(sharded),
       params_(params),
-      names_(names),
-      shard_(shard),
-      nan_(nan) {
-  if (fused_) fused_->set_shards(shard_.shards());
+      names_(names) {}
+
+void DeviceSteps::attach(const std::vector<Bucket>&, const std::vector<ShardLayout>& shards) {
+  if (fused_) fused_->set_shards(shards);
 }
 
-void DeviceSteps::step(size_t index, Bucket& bucket, const std::vector<int32_t>* used,
-                       const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+void DeviceSteps::step(size_t index, Bucket& bucket, const Take& what) {
+  const std::vector<int32_t>* used = what.used;
   // Used members the fused kernels can step go to them (`mask`); the others to the fallback.
   std::vector<char> mask(bucket.params.size(), 0);
   std::vector<int64_t> others;
@@ -50,32 +49,27 @@ void DeviceSteps::step(size_t index, Bucket& bucket, const std::vector<int32_t>*
               names_[static_cast<size_t>(others.front())],
               " cannot be stepped by the fused optimizer");
   if (fused_) {
-    fused_->step(index, bucket, mask, targets(index, bucket, mask));
-    if (sharded_ && stream_) {  // ordered on the side stream: nothing to wait for
-      shard_.start(group, bucket, index);
-      shard_.finish(bucket, index);
-    } else if (sharded_) {  // finished at the next bucket's step, or at the end of backward
-      shard_.start(group, bucket, index);
-      shard_.defer(index);
-    }
+    fused_->step(index, bucket, mask, targets(index, bucket, mask, what));
   }
   // The per-bucket Python steps cannot read a device flag: with the device NaN check, the host
   // reads it first (a synchronization, only in buckets the fused kernels cannot step).
-  const bool skip_others = nan_.on_device() && !others.empty() && nan_.seen().item<float>() != 0.0f;
+  const NonFiniteCheck* nan = what.nan;
+  const bool skip_others =
+      nan != nullptr && nan->on_device() && !others.empty() && nan->seen().item<float>() != 0.0f;
   if (!others.empty() && !skip_others) {
     TORCH_CHECK(fallback_, "leanddp.DistributedDataParallel: no optimizer for bucket ", index);
     fallback_->step(index, others, other_grads);
   }
 }
 
-StepTargets DeviceSteps::targets(size_t index, const Bucket& bucket,
-                                 const std::vector<char>& mask) {
+StepTargets DeviceSteps::targets(size_t index, const Bucket& bucket, const std::vector<char>& mask,
+                                 const Take& what) {
   StepTargets targets;
   for (size_t s = 0; s < mask.size(); ++s) {
     targets.params.push_back(params_[static_cast<size_t>(bucket.params[s])]);
   }
   targets.grads = bucket.views;
-  targets.grad_scale = shard_.clip_scale();  // (max_grad_norm, sharded)
+  targets.grad_scale = what.clip_scale;  // (max_grad_norm, sharded)
   if (amp_scale_.defined()) {
     // GradScaler: inf/NaN in the (scaled) gradients of this bucket sets found_inf, on the
     // device, as GradScaler's check for fused optimizers does; the kernels read it.
@@ -88,10 +82,10 @@ StepTargets DeviceSteps::targets(size_t index, const Bucket& bucket,
     }
     targets.amp_scale = amp_scale_;
     targets.found_inf = amp_found_inf_;
-  } else if (nan_.on_device()) {
-    targets.found_inf = nan_.seen();  // the kernels skip from the first bucket flagged
+  } else if (what.nan != nullptr && what.nan->on_device()) {
+    targets.found_inf = what.nan->seen();  // the kernels skip from the first bucket flagged
     for (size_t s = 0; s < mask.size(); ++s) {
-      if (mask[s]) nan_.gate(index, bucket.params[s]);
+      if (mask[s]) what.nan->gate(index, bucket.params[s]);
     }
   }
   return targets;
@@ -114,14 +108,11 @@ void DeviceSteps::set_grad_scaler(at::Tensor scale, at::Tensor found_inf) {
   amp_found_inf_ = std::move(found_inf);
 }
 
-HostSteps::HostSteps(std::unique_ptr<HostOffload> offload, bool sharded, c10::Device device,
-                     bool accumulate_on_host, const std::vector<Bucket>& buckets)
-    : offload_(std::move(offload)), sharded_(sharded), device_(device) {
-  if (accumulate_on_host) accumulator_ = std::make_unique<HostAccumulator>(*offload_, buckets);
-}
+HostSteps::HostSteps(std::unique_ptr<HostOffload> offload, bool sharded, c10::Device device)
+    : offload_(std::move(offload)), sharded_(sharded), device_(device) {}
 
-void HostSteps::step(size_t index, Bucket& bucket, const std::vector<int32_t>* used,
-                     const c10::intrusive_ptr<c10d::ProcessGroup>&) {
+void HostSteps::step(size_t index, Bucket& bucket, const Take& what) {
+  const std::vector<int32_t>* used = what.used;
   std::vector<char> mask(bucket.params.size(), 1);  // the host steps every used member
   for (size_t s = 0; s < mask.size() && used != nullptr; ++s) {
     mask[s] = (*used)[static_cast<size_t>(bucket.params[s])] != 0;
@@ -129,15 +120,14 @@ void HostSteps::step(size_t index, Bucket& bucket, const std::vector<int32_t>* u
   offload_->submit(index, bucket, mask);
 }
 
-void HostSteps::end_of_backward(c10d::ProcessGroup& group, const Gather& gather_back) {
+void HostSteps::end_of_backward(c10d::ProcessGroup& group) {
   if (!sharded_) {
     offload_->end_iteration(/*completed=*/true);
     return;
   }
-  // Sharded: with max_grad_norm the global norm from every rank's held buckets; then each
-  // bucket's stepped pieces are gathered into the parameters as soon as its own host step is
-  // done (GPU: the gather is ordered after that step's copy back, the host waits only for the
-  // worker to have queued it), so the gathers overlap the remaining host steps.
+  // Sharded: with max_grad_norm the global norm from every rank's held buckets. (The Reducer
+  // then gathers each bucket's stepped pieces into the parameters as soon as its own host step
+  // is done, so the gathers overlap the remaining host steps.)
   std::optional<double> sum_squares;
   if (offload_->clips()) {
     offload_->wait(/*host_too=*/false);  // every bucket's squares taken (its step is held)
@@ -153,22 +143,17 @@ void HostSteps::end_of_backward(c10d::ProcessGroup& group, const Gather& gather_
     sum_squares = sum.item<double>();
   }
   offload_->end_iteration(/*completed=*/true, sum_squares);
-  gather_back([this](size_t b) { offload_->wait_stepped(b); });
-  offload_->wait(/*host_too=*/false);  // (done already; rethrows an error the worker met)
-  offload_->adopt_versions();
 }
 
 void HostSteps::relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& buckets,
                          const std::vector<ShardLayout>&,
                          const std::vector<std::vector<at::Tensor>>&) {
   offload_->relayout(old_buckets, buckets);  // (sharded: never; the layout is fixed)
-  if (accumulator_) accumulator_->set_layout(buckets);
 }
 
 void HostSteps::set_grad_scaler(at::Tensor scale, at::Tensor found_inf) {
   (void)found_inf;
-  TORCH_CHECK(!scale.defined(),
-              "Reducer::set_grad_scaler: offload_to_cpu does not take a GradScaler");
+  TORCH_CHECK(!scale.defined(), "set_grad_scaler: offload_to_cpu does not take a GradScaler");
 }
 
 int64_t HostSteps::generation() const {

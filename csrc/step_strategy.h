@@ -1,32 +1,23 @@
-// StepStrategy: how optimizer_in_backward steps a reduced bucket, for the Reducer. The Reducer
-// owns a bucket's life (collect its reduction, check it, hand it to the strategy, release it)
-// and the ordering around it (the side stream a GPU step is queued on, the window of buckets in
-// flight); the strategy owns the optimizer and what a step needs:
+// StepStrategy: how InBackwardOptimizer (in_backward_optimizer.h) steps a bucket the Reducer
+// handed over, an implementation detail of that class:
 //   * DeviceSteps: the fused kernels step the bucket where it lives (on a GPU queued on a side
 //     stream of its own), a Python fallback steps the parameters they cannot; GradScaler and the
 //     device NaN check's gating ride on the kernels' found_inf. Sharded, this rank's shard is
-//     stepped and the stepped shards all-gathered back into the parameters right after.
+//     stepped (the Reducer then gathers the stepped shards back into the parameters).
 //   * HostSteps: offload_to_cpu. Every bucket is copied to the host and stepped there by
 //     HostOffload (offload.h) on its device-to-host stream; the next forward waits. Sharded,
-//     the pieces are gathered back into the parameters at the end of backward, each bucket as
-//     soon as its own host step is done. With
-//     accumulate_on_host it also owns the HostAccumulator (host_accum.h) that holds no_sync()
-//     micro-batches' gradients on the host.
-// Both steps' sharded cut, gathers and clipping are ShardGather's (shard_gather.h); the NaN
-// check's state is NonFiniteCheck's (nan_check.h).
+//     with max_grad_norm, the global norm is allreduced at the end of backward.
 //
-// Built by Reducer::set_optimizer and owned by the Reducer; every method is called by the
-// Reducer only, with its lock held, on the thread holding it (autograd's threads in backward,
-// the caller's between iterations). The references a strategy keeps (parameters, names, the
-// ShardGather, the NonFiniteCheck) are the Reducer's members, which outlive it.
+// Owned by InBackwardOptimizer and called with its lock held, on the thread holding it
+// (autograd's threads in backward, the caller's between iterations). The references a strategy
+// keeps (parameters, names) are the optimizer's members, which outlive it.
 #pragma once
 
 #include "bucket.h"
 #include "fused_optim.h"
-#include "host_accum.h"
 #include "nan_check.h"
 #include "offload.h"
-#include "shard_gather.h"
+#include "shard.h"
 #include "stepper.h"
 
 #include <ATen/ATen.h>
@@ -41,41 +32,47 @@
 
 namespace leanddp {
 
+// What the Reducer hands over with a reduced bucket (InBackwardOptimizer::take()).
+struct Take {
+  // Per parameter: whether it is used in this iteration (null: all are); unused ones are not
+  // stepped.
+  const std::vector<int32_t>* used = nullptr;
+  // max_grad_norm sharded on the device: clip_grad_norm_'s coefficient for every gradient.
+  std::optional<double> clip_scale;
+  // The NaN check (its device flag gates the fused kernels; the fallback reads it first).
+  NonFiniteCheck* nan = nullptr;
+};
+
 class StepStrategy {
  public:
   virtual ~StepStrategy() = default;
   // The fused optimizer (null: every parameter goes to the fallback). HostSteps: read it only
   // once the host is idle (wait()).
   virtual FusedOptimizer* optimizer() const = 0;
-  // HostSteps' HostOffload (its masters and statistics); null for DeviceSteps.
-  virtual HostOffload* host() const { return nullptr; }
-  // HostSteps' HostAccumulator (accumulate_on_host); null otherwise.
-  virtual HostAccumulator* accumulator() const { return nullptr; }
+  // The buckets' layout (no storage) and, sharded, this rank's cut of each: once, before the
+  // first step.
+  virtual void attach(const std::vector<Bucket>& buckets,
+                      const std::vector<ShardLayout>& shards) = 0;
   // GPU: the stream the steps are queued on; the Reducer makes it wait for each bucket's
-  // gradients and reduction before step(), and records the bucket's memory on it after.
+  // gradients and reduction before the step, and records the bucket's memory on it after.
   virtual c10::Stream stream() const = 0;
   // Whether the end of backward orders the caller's stream after stream() (the device steps);
   // host steps are waited for by the next forward instead (wait()).
   virtual bool caller_follows() const = 0;
-  // Steps bucket `index`, collected and checked, of which the parameters `used` marks (null:
-  // all); on a GPU, with stream() current. The Reducer releases the bucket after, unless
-  // `shard`.deferred(index) (a CPU gather still reads it).
-  virtual void step(size_t index, Bucket& bucket, const std::vector<int32_t>* used,
-                    const c10::intrusive_ptr<c10d::ProcessGroup>& group) = 0;
-  // Every bucket went through step() and the NaN check passed: what finishes the iteration.
-  // `gather_back(stepped)` gathers every rank's stepped pieces of every bucket into the
-  // parameters, in bucket order, at most two buckets allocated, calling `stepped(b)` before
-  // bucket b's gather: it returns once b's pieces are in this rank's parameters (on a GPU, in
-  // the current stream's order) (sharded HostSteps).
-  using Gather = std::function<void(const std::function<void(size_t)>& stepped)>;
-  virtual void end_of_backward(c10d::ProcessGroup& group, const Gather& gather_back) = 0;
+  // Steps bucket `index`, collected and checked, of which the parameters `what.used` marks
+  // (null: all); on a GPU, with stream() current.
+  virtual void step(size_t index, Bucket& bucket, const Take& what) = 0;
+  // Every bucket went through step() and the NaN check passed: what finishes the iteration
+  // (`group`: for the sharded host steps' global norm).
+  virtual void end_of_backward(c10d::ProcessGroup& group) = 0;
   // A backward abandoned (it raised, or the NaN check found a bucket): held steps are dropped.
   virtual void abandon() {}
   // The host waits for the host steps (and with `host_too` for their copies back); device
   // ordering is the Reducer's (the caller's stream follows stream()).
   virtual void wait(bool host_too) { (void)host_too; }
   // A bucket rebuild: the state follows its parameters from `old_buckets` into `buckets` (cut
-  // by `shards`; sharded, `old_full` holds each old bucket's state gathered whole).
+  // by `shards`; sharded, `old_full` holds each old bucket's state gathered whole). Layouts
+  // only (no storage).
   virtual void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& buckets,
                         const std::vector<ShardLayout>& shards,
                         const std::vector<std::vector<at::Tensor>>& old_full) = 0;
@@ -97,14 +94,13 @@ class DeviceSteps final : public StepStrategy {
  public:
   DeviceSteps(std::unique_ptr<FusedOptimizer> fused, std::unique_ptr<BucketStepper> fallback,
               std::optional<c10::Stream> stream, bool sharded,
-              const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
-              ShardGather& shard, NonFiniteCheck& nan);
+              const std::vector<at::Tensor>& params, const std::vector<std::string>& names);
+  void attach(const std::vector<Bucket>& buckets, const std::vector<ShardLayout>& shards) override;
   FusedOptimizer* optimizer() const override { return fused_.get(); }
   c10::Stream stream() const override { return *stream_; }
   bool caller_follows() const override { return true; }
-  void step(size_t index, Bucket& bucket, const std::vector<int32_t>* used,
-            const c10::intrusive_ptr<c10d::ProcessGroup>& group) override;
-  void end_of_backward(c10d::ProcessGroup&, const Gather&) override {}
+  void step(size_t index, Bucket& bucket, const Take& what) override;
+  void end_of_backward(c10d::ProcessGroup&) override {}
   void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& buckets,
                 const std::vector<ShardLayout>& shards,
                 const std::vector<std::vector<at::Tensor>>& old_full) override;
@@ -114,7 +110,8 @@ class DeviceSteps final : public StepStrategy {
  private:
   // The fused kernels' targets for the members `mask` of `bucket`: GradScaler's check of their
   // gradients (on the device), or the device NaN check's flag and gating.
-  StepTargets targets(size_t index, const Bucket& bucket, const std::vector<char>& mask);
+  StepTargets targets(size_t index, const Bucket& bucket, const std::vector<char>& mask,
+                      const Take& what);
 
   std::unique_ptr<FusedOptimizer> fused_;
   std::unique_ptr<BucketStepper> fallback_;
@@ -122,26 +119,22 @@ class DeviceSteps final : public StepStrategy {
   bool sharded_;
   const std::vector<at::Tensor>& params_;
   const std::vector<std::string>& names_;
-  ShardGather& shard_;
-  NonFiniteCheck& nan_;
   at::Tensor amp_scale_, amp_found_inf_, amp_one_;  // set_grad_scaler (amp_one_: 1.0 there)
 };
 
 // offload_to_cpu: every used parameter of a bucket is stepped on the host by `offload`.
 class HostSteps final : public StepStrategy {
  public:
-  // `device`: the parameters' (where the norm of max_grad_norm is allreduced). `buckets`: with
-  // `accumulate_on_host`, the layout of the HostAccumulator built over `offload`.
-  HostSteps(std::unique_ptr<HostOffload> offload, bool sharded, c10::Device device,
-            bool accumulate_on_host, const std::vector<Bucket>& buckets);
+  // `device`: the parameters' (where the norm of max_grad_norm is allreduced).
+  HostSteps(std::unique_ptr<HostOffload> offload, bool sharded, c10::Device device);
+  void attach(const std::vector<Bucket>& buckets, const std::vector<ShardLayout>& shards) override {
+    offload_->set_layout(buckets, shards);
+  }
   FusedOptimizer* optimizer() const override { return &offload_->optimizer(); }
-  HostOffload* host() const override { return offload_.get(); }
-  HostAccumulator* accumulator() const override { return accumulator_.get(); }
   c10::Stream stream() const override { return offload_->d2h_stream(); }
   bool caller_follows() const override { return false; }
-  void step(size_t index, Bucket& bucket, const std::vector<int32_t>* used,
-            const c10::intrusive_ptr<c10d::ProcessGroup>& group) override;
-  void end_of_backward(c10d::ProcessGroup& group, const Gather& gather_back) override;
+  void step(size_t index, Bucket& bucket, const Take& what) override;
+  void end_of_backward(c10d::ProcessGroup& group) override;
   void abandon() override { offload_->end_iteration(/*completed=*/false); }
   void set_grad_scaler(at::Tensor scale, at::Tensor found_inf) override;  // (refuses one)
   void wait(bool host_too) override { offload_->wait(host_too); }
@@ -150,13 +143,10 @@ class HostSteps final : public StepStrategy {
                 const std::vector<std::vector<at::Tensor>>& old_full) override;
   void shutdown() override { offload_->shutdown(); }
   int64_t generation() const override;
-  int64_t events_created() const override {
-    return offload_->events_created() + (accumulator_ ? accumulator_->events_created() : 0);
-  }
+  int64_t events_created() const override { return offload_->events_created(); }
 
  private:
   std::unique_ptr<HostOffload> offload_;
-  std::unique_ptr<HostAccumulator> accumulator_;  // (declared after offload_: destroyed first)
   bool sharded_;
   c10::Device device_;
 };

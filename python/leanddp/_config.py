@@ -96,15 +96,12 @@ class DDPConfig:
         options.gradient_as_bucket_view = self.gradient_as_bucket_view
         options.find_unused_parameters = self.find_unused_parameters
         options.static_graph = self.static_graph
-        options.step_in_backward = self.optimizer_in_backward is not None
-        sparse = set(self.sparse_names)
-        options.expect_sparse = [name in sparse for name in param_names]
+        options.optimizer_in_backward = self.optimizer_in_backward is not None
+        options.sparse_names = [name for name in param_names if name in set(self.sparse_names)]
         options.nan_check = {False: _C.NanCheck.off, True: _C.NanCheck.on}.get(
             self.check_for_nan_in_grad, _C.NanCheck.strict
         )
         options.shard_optimizer_state = self.shard_optimizer_state
-        options.offload_to_cpu = self.offload_to_cpu
-        options.offload_threads = self.offload_threads
         options.accumulate_on_host = self.accumulate_on_host
         options.max_grad_norm = self.max_grad_norm
         return options

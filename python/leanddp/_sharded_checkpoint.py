@@ -33,7 +33,6 @@ def _fail(message: str) -> None:
 
 
 def sharded_state_dict(
-    reducer: Any,
     group: dist.ProcessGroup,
     params: Sequence[torch.Tensor],
     names: Sequence[str],
@@ -41,14 +40,15 @@ def sharded_state_dict(
 ) -> dict[str, Any]:
     """``{"state": {name: {"step": tensor, key: ShardedTensor}}, "param_groups": (...)}``
     for every trainable parameter (by name), this rank's pieces as live views (module doc).
-    ``reducer`` is the wrapper's ``_C.Reducer`` over ``params`` (named ``names``) on ``group``;
-    ``link`` its in-backward optimizer (its state rule and param groups)."""
-    if link is None or not reducer.options.shard_optimizer_state:
+    ``link`` is the wrapper's in-backward optimizer over ``params`` (named ``names``) on
+    ``group`` (its C++ state, its state rule and param groups)."""
+    core = link.core if link is not None else None
+    if core is None or not link.sharded:
         _fail("sharded_optimizer_state_dict() needs shard_optimizer_state=True")
     ranks = dist.get_process_group_ranks(group)
-    placement = reducer.shard_placement()
-    steps = reducer.optimizer_steps()
-    local = {(p, key): view for p, key, view in reducer.local_optimizer_state()}
+    placement = core.shard_placement()
+    steps = core.steps()
+    local = {(p, key): view for p, key, view in core.local_state()}
     # Every rank must see every key: a rank without a piece of a parameter learns its keys, and
     # where they live, from the fused optimizer's rule (link.view.spec), as the ranks holding
     # pieces do.
@@ -85,15 +85,15 @@ def sharded_state_dict(
 
 
 def load_sharded_state_dict(
-    reducer: Any,
     names: Sequence[str],
     link: InBackward | None,
     state_dict: dict[str, Any],
 ) -> None:
     """After ``dcp.load`` filled ``state_dict`` (made by :func:`sharded_state_dict` of the same
-    ``reducer``, whose pieces it loaded in place): sets the step counts and the hyper-parameters
+    ``link``, whose pieces it loaded in place): sets the step counts and the hyper-parameters
     of ``link``'s param groups. Raises naming the entry if ``state_dict`` is not such a dict."""
-    if link is None or not reducer.options.shard_optimizer_state:
+    core = link.core if link is not None else None
+    if core is None or not link.sharded:
         _fail("load_sharded_optimizer_state_dict() needs shard_optimizer_state=True")
     state = state_dict.get("state")
     groups = state_dict.get("param_groups")
@@ -105,7 +105,7 @@ def load_sharded_state_dict(
     param_groups = link.optimizer.param_groups
     if len(groups) != len(param_groups):
         _fail(f"the state dict has {len(groups)} param groups, the optimizer {len(param_groups)}")
-    steps = reducer.optimizer_steps()
+    steps = core.steps()
     for p, name in enumerate(names):
         if name not in state:
             continue
@@ -113,8 +113,8 @@ def load_sharded_state_dict(
         if not isinstance(step, torch.Tensor) or step.numel() != 1:
             _fail(f"state of parameter {name!r}: 'step' must be a one-element tensor")
         steps[p] = int(step.item())
-    reducer.set_optimizer_steps(steps)
-    if reducer.options.offload_to_cpu:  # the masters were loaded in place, not rounded
-        reducer.adopt_master_weights()
+    core.set_steps(steps)
+    if link.offload:  # the masters were loaded in place, not rounded
+        core.adopt_master_weights()
     for group, saved in zip(param_groups, groups, strict=True):
         group.update({k: v for k, v in saved.items() if k != "params"})

@@ -36,11 +36,15 @@ from torch.overrides import TorchFunctionMode
 
 class Waits:
     """The waits of one wrapper: hooks on ``module`` for the parameters ``trained`` that
-    ``reducer`` (a ``_C.Reducer``) steps, in the Reducer's order. The hooks hold the Reducer
-    weakly: once the wrapper and its Reducer are gone they do nothing."""
+    ``core`` (a ``_C.InBackwardOptimizer``) steps, in the order of ``reducer`` (a
+    ``_C.Reducer``, whose buckets it steps). The hooks hold both weakly: once the wrapper is
+    gone they do nothing."""
 
-    def __init__(self, module: nn.Module, trained: Sequence[Tensor], reducer: Any) -> None:
+    def __init__(
+        self, module: nn.Module, trained: Sequence[Tensor], reducer: Any, core: Any
+    ) -> None:
         self._reducer = weakref.ref(reducer)
+        self._core = weakref.ref(core)
         self._module = module
         self._trained = list(trained)
         # While a forward waits per bucket: id(parameter) -> its bucket, for the buckets whose
@@ -67,12 +71,12 @@ class Waits:
 
     def begin(self, pending: Sequence[int], compiling: bool) -> ReadWaits | None:
         """At the wrapper's forward, before the module: the mode that waits per bucket for the
-        host steps ``pending`` (the Reducer's ``pending_steps``, which ordered the forward after
+        host steps ``pending`` (the optimizer's ``pending_steps``, which ordered the forward after
         the copies back of the other buckets), or None where the caller must wait for all of
         them (nothing pending, or torch functions may not be seen: ``compiling``, a compiled or
         scripted submodule)."""
         reducer = self._reducer()
-        if reducer is None:
+        if reducer is None or self._core() is None:
             return None
         if not pending or compiling or _opaque(self._module):
             return None
@@ -87,9 +91,9 @@ class Waits:
 
     def _wait(self, b: int) -> None:
         """Waits for pending bucket ``b``'s host step; its parameters are pending no more."""
-        reducer = self._reducer()
-        if reducer is not None:
-            reducer.wait_for_bucket(b)
+        core = self._core()
+        if core is not None:
+            core.wait_for_bucket(b)
         for i in self._members.pop(b):
             del self._bucket_of[i]
 
@@ -109,9 +113,9 @@ class Waits:
         self._members.clear()
 
     def _before_module_forward(self, module: nn.Module, args: Any) -> None:
-        reducer = self._reducer()
-        if reducer is not None and not self.active:  # called directly, or nothing pending
-            reducer.follow_steps()  # (waits for every step if one is pending)
+        core = self._core()
+        if core is not None and not self.active:  # called directly, or nothing pending
+            core.follow_steps()  # (waits for every step if one is pending)
 
     def _owner_hook(self, owned: list[int]) -> Any:
         def before_forward(module: nn.Module, args: Any) -> None:
@@ -123,9 +127,9 @@ class Waits:
         return before_forward
 
     def _before_state_dict(self, module: nn.Module, *args: Any) -> None:
-        reducer = self._reducer()
-        if reducer is not None:
-            reducer.wait_for_steps(host_too=True)
+        core = self._core()
+        if core is not None:
+            core.wait_for_steps(host_too=True)
 
 
 class ReadWaits(TorchFunctionMode):

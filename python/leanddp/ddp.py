@@ -178,6 +178,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.process_group = config.process_group
         self.optimizer: torch.optim.Optimizer | None = None
         self._in_backward: optim.InBackward | None = None
+        self._optimizer_core: Any = None  # (_build_reducer; optimizer_in_backward only)
         if config.optimizer_in_backward is not None:
             named = self._named_trainable
             optimizer, group_of = optim.build_optimizer(config.optimizer_in_backward, module, named)
@@ -195,6 +196,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 grad_scaler=grad_scaler,
                 names=[n for n, _ in named],
                 sharded=config.shard_optimizer_state,
+                offload_threads=config.offload_threads,
+                max_grad_norm=config.max_grad_norm,
             )
         if config.init_sync:
             verify_same_parameters(
@@ -282,10 +285,16 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         _lifetime.close_at_end(self, self.reducer)
         self.logger.attach(self.reducer, self._params)
         if self._in_backward is not None:
-            self._in_backward.attach(self.reducer)
+            #: the C++ in-backward optimizer (``_C.InBackwardOptimizer``), which the Reducer
+            #: hands every reduced bucket to; ``self._in_backward`` holds it weakly
+            self._optimizer_core = self._in_backward.attach(
+                self.reducer, self.process_group, self._param_names
+            )
             if getattr(self, "_waits", None) is not None:
                 self._waits.remove()
-            self._waits = _waits.Waits(self.module, self._params, self.reducer)
+            self._waits = _waits.Waits(
+                self.module, self._params, self.reducer, self._optimizer_core
+            )
         for hook, state in self._comm_hooks:
             self._attach_comm_hook(hook, state)
 
@@ -325,9 +334,10 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         # (the buckets not pending were stepped: the current stream is ordered after their
         # copies back here, which may still run on a GPU)
         in_backward = self._in_backward is not None
-        pending = self.reducer.pending_steps(follow_copies=True) if in_backward else []
+        core = self._optimizer_core if in_backward else None
+        pending = core.pending_steps(follow_copies=True) if in_backward else []
         if in_backward and not pending:
-            self._wait_for_steps(self.reducer.follow_steps)
+            self._wait_for_steps(core.follow_steps)
         if grad_enabled:
             try:
                 self._check_parameters_unchanged()
@@ -348,21 +358,21 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         return waits
 
     def _wait_for_steps(self, wait: Callable[[], None] | None = None) -> None:
-        """Waits for the last backward's steps (``wait``: ``reducer.wait_for_steps``, or
-        ``reducer.follow_steps`` where none is pending, which does not wait for the host
+        """Waits for the last backward's steps (``wait``: the optimizer's ``wait_for_steps``, or
+        its ``follow_steps`` where none is pending, which does not wait for the host
         worker's sums of no_sync() micro-batches). An error the host worker met is raised at the
         end of the forward (``_after_module``), where one met while the forward waited bucket by
         bucket is: at the same point on every rank, whichever way each one waited, so that no
         rank is left alone in a collective of the forward."""
         try:
-            (wait or self.reducer.wait_for_steps)()
+            (wait or self._optimizer_core.wait_for_steps)()
         except Exception as e:  # noqa: BLE001 (re-raised by _after_module)
             self._step_error = e
 
     @torch.compiler.disable
     def _after_module(self, grad_enabled: bool, output: Any, waited_per_bucket: bool) -> None:
         if waited_per_bucket:
-            self.reducer.wait_for_steps()  # what the forward did not read (or the worker's error)
+            self._optimizer_core.wait_for_steps()  # what the forward did not read (or an error)
             if grad_enabled:
                 self._in_backward.adopt_state()
         error, self._step_error = self._step_error, None  # (set by _before_module)
@@ -553,22 +563,26 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         numel = max(1, sum(p.numel() for p in self._params))
         state = self._in_backward.state_bytes() if self._in_backward else 0
         offload = self._config.offload_to_cpu
+        opt = self._optimizer_core.memory_stats() if self._in_backward else None
+        masters = opt.host_master_bytes if opt else 0
+        staging = opt.host_buffer_bytes if opt else 0
+        pinned = s.host_pinned_bytes + (opt.host_pinned_bytes if opt else 0)
         host = {
             "optimizer_state": state if offload else 0,
             # float32 masters are the copy-back staging buffer: counted as masters only
-            "master_weights": s.host_master_bytes,
-            "staging": s.host_buffer_bytes,
+            "master_weights": masters,
+            "staging": staging,
             "accumulation": s.host_accumulation_bytes,
-            "pinned": s.host_pinned_bytes,
+            "pinned": pinned,
         }
         return {
             "param_bytes": sum(p.numel() * p.element_size() for p in self._params),
             "bucket_bytes": s.bucket_bytes,
             "grad_bytes": s.grad_bytes,
             "optimizer_state_bytes": state,
-            "host_master_bytes": s.host_master_bytes,
-            "host_buffer_bytes": s.host_buffer_bytes,
-            "host_pinned_bytes": s.host_pinned_bytes,
+            "host_master_bytes": masters,
+            "host_buffer_bytes": staging,
+            "host_pinned_bytes": pinned,
             "host_accumulation_bytes": s.host_accumulation_bytes,
             "grads_as_views": s.grads_as_views,
             "grads_outside": s.grads_outside,
@@ -597,8 +611,10 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         state reads), and ``grad_norm``: the last step's total gradient norm before clipping
         (what ``clip_grad_norm_`` returns; -1 without ``max_grad_norm``). Zeros without
         offload_to_cpu."""
-        s = self.reducer.offload_stats()
         keys = ("iterations", "buckets", "step_seconds", "wait_seconds", "grad_norm")
+        if self._in_backward is None:
+            return {key: -1.0 if key == "grad_norm" else 0 for key in keys}
+        s = self._optimizer_core.stats()
         return {key: getattr(s, key) for key in keys}
 
     def sharded_optimizer_state_dict(self) -> dict[str, Any]:
@@ -611,7 +627,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         from . import _sharded_checkpoint  # (loads torch's ShardedTensor: only when used)
 
         return _sharded_checkpoint.sharded_state_dict(
-            self.reducer, self.process_group, self._params, self._param_names, self._in_backward
+            self.process_group, self._params, self._param_names, self._in_backward
         )
 
     def load_sharded_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -624,7 +640,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         from . import _sharded_checkpoint
 
         _sharded_checkpoint.load_sharded_state_dict(
-            self.reducer, self._param_names, self._in_backward, state_dict
+            self._param_names, self._in_backward, state_dict
         )
 
     def synchronize(self) -> None:
@@ -637,7 +653,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         by themselves; on a GPU the end of backward orders the stream that called it. Call it
         before reading parameters any other way between a backward and the next forward."""
         if self._in_backward is not None:
-            self.reducer.wait_for_steps(host_too=self._config.offload_to_cpu)
+            self._optimizer_core.wait_for_steps(host_too=self._config.offload_to_cpu)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch's DDP logging data, with torch's keys and meanings (see docs/ddp.md): the
@@ -674,7 +690,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 "process group (no process_group argument), as with torch's DDP."
             )
         state = copy.copy(self.__dict__)
-        for key in ("process_group", "reducer", "_params", "_waits"):
+        for key in ("process_group", "reducer", "_params", "_waits", "_optimizer_core"):
             state.pop(key, None)
         state["_config"] = self._config.without_group()
         return state

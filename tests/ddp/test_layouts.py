@@ -49,7 +49,7 @@ def _assert_layouts(module: nn.Module) -> None:
     params = dict(module.named_parameters())
     for name in PERMUTED:
         p = params[name]
-        spec = _C.state_spec("adam", p, on_host=False, momentum=False)
+        spec = _C.state_spec(_C.OptimKind.adam, p, on_host=False, momentum=False)
         assert not p.is_contiguous() and spec.stepped, name  # (the device kernels step it)
     assert params["c1.weight"].is_contiguous(memory_format=torch.channels_last)
     assert params["fc.weight"].stride() == (1, 10)

@@ -48,7 +48,7 @@ def _in_backward(rank: int, world_size: int) -> None:
         if offload and name == "adagrad":
             continue  # offload_to_cpu steps the fused kinds only
         what = f"host-ordered {name} accum={accum} offload={offload}"
-        before = _C._host_ordering_counts()
+        before = _C._testing.host_ordering_counts()
         run = host_ordered(
             lambda name=name, offload=offload: InBackwardLockStep(
                 Net(rank=rank, f64=False), OPTIMIZERS[name], offload=offload, bucket_cap_mb=TINY
@@ -81,12 +81,12 @@ def _window_carried(rank: int, world_size: int) -> None:
     )
     for step in range(STEPS):
         accumulate(run.ref, [torch.randn(6, 12)])
-        before = _C._host_ordering_counts()
+        before = _C._testing.host_ordering_counts()
         accumulate(run.ours, [torch.randn(6, 12)])
         stats = run.ours.memory_stats()
         assert stats["max_buckets_in_flight"] <= _C.BUCKETS_IN_FLIGHT, stats
         if step > 0:  # the carried steps were finished (host-waited) before the first launch
-            after = _C._host_ordering_counts()
+            after = _C._testing.host_ordering_counts()
             assert after["synchronizes"] - before["synchronizes"] >= stats["num_buckets"], after
         run.ref_opt.zero_grad()
 
@@ -121,7 +121,7 @@ def _end_of_backward(rank: int, world_size: int) -> None:
             run.step([torch.randn(6, 12)], legacy_calls=step % 2 == 1)
             stats = run.ours.memory_stats()
             assert stats["max_buckets_in_flight"] <= stats["num_buckets"], (name, step, stats)
-            created.append(reducer.events_created())
+            created.append(reducer.events_created() + run.ours._optimizer_core.events_created())
             peaks.append(stats["peak_bucket_bytes"])
         assert_params_close(run, f"{name} after {ITERATIONS} steps")
         # (the first two iterations rebuild the buckets and create the optimizer state)
@@ -145,7 +145,7 @@ def _sharded(rank: int, world_size: int) -> None:
         ("adamw", 2, True),
     ):
         what = f"host-ordered sharded {name} accum={accum} offload={offload}"
-        before = _C._host_ordering_counts()
+        before = _C._testing.host_ordering_counts()
         run = host_ordered(
             lambda name=name, offload=offload: InBackwardLockStep(
                 Net(rank=rank, f64=False),
@@ -170,7 +170,7 @@ def _comm_hooks(rank: int, world_size: int) -> None:
         (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook), (False, True)
     ):
         what = f"host-ordered {hook.__name__} offload={offload}"
-        before = _C._host_ordering_counts()
+        before = _C._testing.host_ordering_counts()
         run = host_ordered(  # twelve layers of 12 x 12: a bucket each
             lambda offload=offload: InBackwardLockStep(
                 Deep(width=12), OPTIMIZERS["adamw"], offload=offload, bucket_cap_mb=TINY
@@ -238,7 +238,7 @@ def _mixed_offload(rank: int, world_size: int) -> None:
             offload_to_cpu=True, bucket_cap_mb=TINY,
         )  # fmt: skip
 
-    before = _C._host_ordering_counts()
+    before = _C._testing.host_ordering_counts()
     ordered, plain = host_ordered(wrap), wrap()
     dtypes = {p.dtype for p in ordered.module.parameters()}
     assert dtypes == {torch.bfloat16, torch.float32}, dtypes
@@ -266,8 +266,8 @@ def test_offload_with_mixed_dtypes_through_the_device_staging_path() -> None:
 def _nan_check(rank: int, world_size: int) -> None:
     from test_nan_check import _nan_step
 
-    _C._set_host_ordering(True)  # (torch's DDP beside ours is not affected)
-    before = _C._host_ordering_counts()
+    _C._testing.set_host_ordering(True)  # (torch's DDP beside ours is not affected)
+    before = _C._testing.host_ordering_counts()
     cases = (("in_backward", True, 1), ("in_backward", "strict", 2), ("offload", True, 2))
     for config, check, accum in cases:
         _nan_step(rank, world_size, config, check, accum)
@@ -285,7 +285,7 @@ def test_nan_check_flags_on_the_side_stream() -> None:
 def _sparse(rank: int, world_size: int) -> None:
     from test_sparse import Case, _parity_case
 
-    _C._set_host_ordering(True)  # (torch's DDP beside ours is not affected)
+    _C._testing.set_host_ordering(True)  # (torch's DDP beside ours is not affected)
     _parity_case(rank, world_size, Case(comm_hook=True, accum=2))
 
 

@@ -20,7 +20,7 @@ def _always(_: int) -> bool:
 
 
 def test_host_progress_steps_what_is_ready_and_waits_only_when_full() -> None:
-    w = _C._StepWindow(2, False)
+    w = _C._testing.StepWindow(2, False)
     w.launched_one()
     assert w.next("after_hook", _never) is None  # not ready: nothing blocks
     assert w.next("before_launch", _never) is None  # room for a second bucket
@@ -39,7 +39,7 @@ def test_host_progress_steps_what_is_ready_and_waits_only_when_full() -> None:
 
 
 def test_device_order_steps_at_once_and_finishes_only_when_full() -> None:
-    w = _C._StepWindow(2, True)
+    w = _C._testing.StepWindow(2, True)
     for b in range(2):
         assert w.next("before_launch", _always) is None
         w.launched_one()
@@ -57,7 +57,7 @@ def test_device_order_steps_at_once_and_finishes_only_when_full() -> None:
 
 
 def test_full_window_with_unstepped_oldest_steps_it_before_finishing() -> None:
-    w = _C._StepWindow(1, True)
+    w = _C._testing.StepWindow(1, True)
     w.launched_one()
     assert w.next("before_launch", _never) == ("step_waiting", 0)
     w.stepped_one()
@@ -69,7 +69,7 @@ def test_full_window_with_unstepped_oldest_steps_it_before_finishing() -> None:
 def test_unfinished_device_steps_carry_into_the_next_backward() -> None:
     """A host that reaches the next backward before the device finished the last one's steps
     finishes those first: the window bounds buckets in flight across iterations too."""
-    w = _C._StepWindow(2, True)
+    w = _C._testing.StepWindow(2, True)
     for b in range(2):
         w.launched_one()
         assert w.next("after_hook", _always) == ("step", b)
@@ -87,15 +87,15 @@ def test_unfinished_device_steps_carry_into_the_next_backward() -> None:
     assert (w.carried, w.in_flight) == (0, 1)
     assert w.next("before_launch", _always) is None
     assert w.next("after_hook", _always) == ("step", 0)
-    host = _C._StepWindow(2, False)
+    host = _C._testing.StepWindow(2, False)
     with pytest.raises(RuntimeError, match="only device steps"):
         host.reset(carried=1)
 
 
 def test_bad_use_raises() -> None:
     with pytest.raises(RuntimeError, match="at least one bucket"):
-        _C._StepWindow(0, False)
-    w = _C._StepWindow(2, True)
+        _C._testing.StepWindow(0, False)
+    w = _C._testing.StepWindow(2, True)
     with pytest.raises(RuntimeError, match="not launched"):
         w.stepped_one()
     w.launched_one()
@@ -117,7 +117,7 @@ def test_bad_use_raises() -> None:
 def test_random_backwards_keep_the_rules(
     capacity: int, device: bool, buckets: int, delays: list[int], hooks: list[int]
 ) -> None:
-    w = _C._StepWindow(capacity, device)
+    w = _C._testing.StepWindow(capacity, device)
     clock = 0  # hooks so far
     launched_at: list[int] = []
     steps: list[int] = []

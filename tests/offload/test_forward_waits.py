@@ -82,10 +82,10 @@ def _train(
     backward at once); returns the number of buckets still pending when ours' attention module
     was called, per forward from the third."""
     seen: list[int] = []
-    reducer = run.ours.reducer
+    core = run.ours._optimizer_core
     attn = run.ours.module.attn
-    attn.register_forward_pre_hook(lambda m, a: seen.append(len(reducer.pending_steps())))
-    reducer._delay_host_steps(DELAY)
+    attn.register_forward_pre_hook(lambda m, a: seen.append(len(core.pending_steps())))
+    core._delay_host_steps(DELAY)
     if exact:
         check = torch.equal
     elif device == "cpu":  # clipping: the coefficient's rounding (as in test_offload.py)
@@ -96,13 +96,13 @@ def _train(
     ref_loss = _reference_step(run, batches[0])
     for step, tokens in enumerate(batches):
         loss = _loss(run.ours(tokens[:, :-1]), tokens[:, 1:])  # reads the last steps' weights
-        assert not reducer.pending_steps(), f"{what} step {step}: forward left steps pending"
+        assert not core.pending_steps(), f"{what} step {step}: forward left steps pending"
         assert check(loss, ref_loss), f"{what} step {step}: loss {loss.item()} {ref_loss.item()}"
         if step + 1 < STEPS:
             ref_loss = _reference_step(run, batches[step + 1])
         loss.backward()
         if lags and step > 0:  # (after the first backward the next forward rebuilds buckets)
-            assert reducer.pending_steps(), f"{what} step {step}: the worker did not lag"
+            assert core.pending_steps(), f"{what} step {step}: the worker did not lag"
         run.scheds[1].step()
     for name, a, b in run.pairs():  # (state_dict() waits)
         assert check(a, b), f"{what} {name}: max diff {(a - b).abs().max().item()}"
@@ -161,7 +161,7 @@ def _forward_at_the_first_bucket(
     a query that orders nothing) while later buckets are still pending: its loss must be
     torch's, bit for bit. ``after_backward()`` runs right after each of ours' backwards. Returns
     the steps that asked this."""
-    reducer = run.ours.reducer
+    core = run.ours._optimizer_core
     batches = [torch.randint(0, VOCAB, (4, SEQ + 1), device=device) for _ in range(STEPS)]
     ref_loss = _reference_step(run, batches[0], loss_fn)
     asked = 0
@@ -169,7 +169,7 @@ def _forward_at_the_first_bucket(
         if step >= 2:  # (the second forward rebuilds the buckets: it waits for every step)
             first = _first_read_bucket(run)
             start = time.monotonic()
-            while first in (pending := reducer.pending_steps()):
+            while first in (pending := core.pending_steps()):
                 assert time.monotonic() - start < 60, f"{what}: the worker never stepped {first}"
                 time.sleep(0.001)
             asked += bool(pending)  # later buckets still pending: the per-bucket waits run
@@ -193,11 +193,11 @@ def _copies_back_lag(rank: int, world_size: int) -> None:
         )
     )
     assert len(run.ours.reducer.bucket_indices()) >= 4, "one bucket: nothing to order"
-    run.ours.reducer._delay_host_steps(PENDING_DELAY)  # later buckets stay pending a while
-    run.ours.reducer._delay_copies_back(COPY_LAG)  # each copy back lands COPY_LAG s later
+    run.ours._optimizer_core._delay_host_steps(PENDING_DELAY)  # later buckets stay pending a while
+    run.ours._optimizer_core._delay_copies_back(COPY_LAG)  # each copy back lands COPY_LAG s later
     asked = _forward_at_the_first_bucket(run, "copies back lagging", "cpu")
     assert asked == STEPS - 2, f"later buckets were not pending in {STEPS - 2 - asked} steps"
-    run.ours.reducer._delay_copies_back(0)
+    run.ours._optimizer_core._delay_copies_back(0)
 
 
 def test_a_forward_waits_for_copies_back_of_buckets_not_pending() -> None:
@@ -283,8 +283,8 @@ def _cuda_first_bucket(rank: int, world_size: int) -> None:
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     torch.use_deterministic_algorithms(True)
     run = _GpuRun(_BigEmbedding().cuda())
-    run.ours.reducer._delay_host_steps(PENDING_DELAY)  # later buckets stay pending a while
-    stream_id, index, kind = run.ours.reducer._copy_back_stream()
+    run.ours._optimizer_core._delay_host_steps(PENDING_DELAY)  # later buckets stay pending a while
+    stream_id, index, kind = run.ours._optimizer_core._copy_back_stream()
     copies_back = torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=kind)
 
     def lag() -> None:  # the copies back wait behind this, as behind a busy PCIe link
@@ -332,7 +332,7 @@ def _dropped_steps(rank: int, world_size: int, how: str) -> None:
         with pytest.raises(ValueError, match="beta1 must be in"):
             ddp(x)  # (raised once; the pipeline works again)
     ddp.synchronize()  # (the worker winds the failed iteration up: not what is measured)
-    ddp.reducer._delay_host_steps(DELAY * 4)  # each addition of the next micro-batch lags
+    ddp._optimizer_core._delay_host_steps(DELAY * 4)  # each addition of the next micro-batch lags
     for i in range(3):
         with ddp.no_sync():
             before = ddp.offload_stats()["wait_seconds"]
@@ -343,9 +343,9 @@ def _dropped_steps(rank: int, world_size: int, how: str) -> None:
             what = f"{how}, micro-batch {i}: waited {waited} s, took {took} s"
             # the worker sums the last micro-batch; no step is pending, dropped or not
             assert waited == 0 and took < DELAY * 2, what
-            assert not ddp.reducer.pending_steps(), what
+            assert not ddp._optimizer_core.pending_steps(), what
             out.square().mean().backward()
-    ddp.reducer._delay_host_steps(0)
+    ddp._optimizer_core._delay_host_steps(0)
     ddp(x).square().mean().backward()  # the step trains on
     ddp.synchronize()
     assert ddp.offload_stats()["iterations"] == 4
@@ -403,16 +403,16 @@ def _error_on_both(rank: int, world_size: int) -> None:
         _loss(run.ours(x), y).backward()
     good = run.ours.optimizer.param_groups[0]["betas"]
     run.ours.optimizer.param_groups[0]["betas"] = (1.5, 0.999)  # the host kernel rejects it
-    run.ours.reducer._delay_host_steps(DELAY if rank == 0 else 0)
+    run.ours._optimizer_core._delay_host_steps(DELAY if rank == 0 else 0)
     _loss(run.ours(x), y).backward()
     if rank == 1:  # rank 1's worker failed before its forward, rank 0's is still asleep then
-        while run.ours.reducer.pending_steps():
+        while run.ours._optimizer_core.pending_steps():
             time.sleep(0.001)
     else:
-        assert run.ours.reducer.pending_steps()
+        assert run.ours._optimizer_core.pending_steps()
     with pytest.raises(ValueError, match="beta1 must be in"):
         run.ours(x)
-    run.ours.reducer._delay_host_steps(0)
+    run.ours._optimizer_core._delay_host_steps(0)
     run.ours.optimizer.param_groups[0]["betas"] = good
     _loss(run.ours(x), y).backward()  # the pipeline works again, on both ranks
     run.ours.synchronize()

@@ -33,6 +33,13 @@ STEPS = 3
 ADDITION_DELAY = 0.4
 
 
+def _delay(ddp: leanddp.DistributedDataParallel, steps: float, additions: list[float]) -> None:
+    """The host worker sleeps `steps` s before each host step and `additions[b]` s before each
+    addition of bucket b (the test seams of the optimizer and of the Reducer's host sums)."""
+    ddp._optimizer_core._delay_host_steps(steps)
+    ddp.reducer._delay_additions(additions)
+
+
 def _micro_batch(ddp: nn.Module, x: torch.Tensor, sync: bool) -> None:
     if sync:
         ddp(x).square().mean().backward()
@@ -113,7 +120,7 @@ def _no_wait_for_the_sums(rank: int, world_size: int, shard: bool) -> None:
         offload=True,
         ours_kwargs=dict(shard_optimizer_state=shard),
     )
-    run.ours.reducer._delay_host_steps(ADDITION_DELAY)  # each addition (and step) lags
+    run.ours._optimizer_core._delay_host_steps(ADDITION_DELAY)  # each addition (and step) lags
     accum = 4
     for step in range(STEPS):
         for i in range(accum):
@@ -134,7 +141,7 @@ def _no_wait_for_the_sums(rank: int, world_size: int, shard: bool) -> None:
         run.ref_opt.step()
         run.ref_opt.zero_grad()
         _assert_equal(run, f"shard={shard} step {step}")
-    run.ours.reducer._delay_host_steps(0)
+    run.ours._optimizer_core._delay_host_steps(0)
 
 
 @pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
@@ -162,13 +169,13 @@ def _own_addition_only(rank: int, world_size: int, sync: bool) -> None:
         # the last bucket's sum of micro-batch x is still being added (LONG) when micro-batch y
         # reaches that bucket; the jobs queued behind it meanwhile each take SHORT: the host
         # steps of y's other buckets (sync), or their additions of y (not sync)
-        reducer._delay_host_steps(0, additions=[0.0] * (n - 1) + [LONG])
+        _delay(run.ours, 0, [0.0] * (n - 1) + [LONG])
         for ddp in (run.ref, run.ours):
             _micro_batch(ddp, x, sync=False)
         if sync:
-            reducer._delay_host_steps(SHORT, additions=[0.0] * n)
+            _delay(run.ours, SHORT, [0.0] * n)
         else:
-            reducer._delay_host_steps(0, additions=[SHORT] * (n - 1) + [0.0])
+            _delay(run.ours, 0, [SHORT] * (n - 1) + [0.0])
         _micro_batch(run.ref, y, sync=sync)
         with contextlib.nullcontext() if sync else run.ours.no_sync():
             loss = run.ours(y).square().mean()
@@ -177,7 +184,7 @@ def _own_addition_only(rank: int, world_size: int, sync: bool) -> None:
             took = time.perf_counter() - start
         what = f"sync={sync} step {step}: the backward took {took:.3f} s"
         assert took < LONG + 1.5 * SHORT, what  # (waiting for the jobs after it: 2 SHORT more)
-        reducer._delay_host_steps(0, additions=[0.0] * n)
+        _delay(run.ours, 0, [0.0] * n)
         if not sync:  # the step's synchronized micro-batch
             z = torch.randn(BATCH, 12)
             for ddp in (run.ref, run.ours):

@@ -478,7 +478,7 @@ def test_released_on_its_own_worker_thread() -> None:
         """
         from leanddp import _C
         for _ in range(20):
-            assert _C._offload_released_on_worker()
+            assert _C._testing.offload_released_on_worker()
         print("released")
         """
     )

@@ -247,7 +247,7 @@ def test_parallel_for_uses_all_threads():
     """The extension must be built with OpenMP, or at::parallel_for silently runs on one thread."""
     from leanddp._extension import _C
 
-    assert _C._parallel_threads() == torch.get_num_threads()
+    assert _C._testing.parallel_threads() == torch.get_num_threads()
 
 
 # --- bad input: a clear error naming the argument, and nothing written ----------------------

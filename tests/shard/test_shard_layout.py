@@ -80,13 +80,13 @@ def _reduce_to_shard(rank: int, world_size: int) -> None:
         everyone = [torch.empty_like(flat) for _ in range(world_size)]
         dist.all_gather(everyone, flat, group=group)
         expected = torch.stack(everyone).sum(0, dtype=torch.float64)
-        _C._reduce_to_shard(group, flat, offsets, numels, 29, 4)
+        _C._testing.reduce_to_shard(group, flat, offsets, numels, 29, 4)
         begin, end = layout["begin"], layout["begin"] + layout["shard_numel"]
         # bfloat16: every partial sum of the ring rounds (half an ulp of values up to ~8: 0.03)
         tolerance = dict(rtol=1.6e-2, atol=0.1) if dtype == torch.bfloat16 else {}
         torch.testing.assert_close(flat[begin:end], expected[begin:end].to(dtype), **tolerance)
     with pytest.raises(RuntimeError, match="contiguous 1-D tensor of"):
-        _C._reduce_to_shard(group, torch.zeros(3), [0], [5], 5, 4)
+        _C._testing.reduce_to_shard(group, torch.zeros(3), [0], [5], 5, 4)
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.extra_ranks)])
@@ -107,7 +107,7 @@ def _pack_and_gather(rank: int, world_size: int) -> None:
             (rank * 64 + s * 8 + torch.arange(n) % 8).to(dtype) for s, n in enumerate(numels)
         ]
         flat = torch.full((layout["padded"],), -1.0, dtype=dtype)
-        _C._pack_and_gather_shards(group, flat, offsets, numels, bucket_numel, 4, sources)
+        _C._testing.pack_and_gather_shards(group, flat, offsets, numels, bucket_numel, 4, sources)
         for s, (offset, n) in enumerate(zip(offsets, numels, strict=True)):
             owner = (offset + torch.arange(n)) // shard  # the rank whose shard holds the element
             expected = (owner * 64 + s * 8 + torch.arange(n) % 8).to(dtype)
@@ -116,7 +116,7 @@ def _pack_and_gather(rank: int, world_size: int) -> None:
     first_slot = layout["pieces"][0][0]
     with pytest.raises(RuntimeError, match=f"the source of slot {first_slot} must be a 1-D"):
         wrong = [t.double() for t in sources]
-        _C._pack_and_gather_shards(group, flat, offsets, numels, bucket_numel, 4, wrong)
+        _C._testing.pack_and_gather_shards(group, flat, offsets, numels, bucket_numel, 4, wrong)
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.extra_ranks)])

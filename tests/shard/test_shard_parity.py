@@ -39,7 +39,7 @@ SHARD = dict(shard_optimizer_state=True)
 def _cut_parameters(ddp: leanddp.DistributedDataParallel) -> int:
     """How many parameters a shard boundary cuts (with pieces on more than one rank), as the
     Reducer cut them."""
-    placement = ddp.reducer.shard_placement()
+    placement = ddp._optimizer_core.shard_placement()
     return sum(1 for pieces in placement if len({rank for rank, _, _ in pieces}) > 1)
 
 

@@ -2,7 +2,7 @@
 
 Host ordering is read where the Reducer and HostOffload decide how they order work, at
 construction: turn it on around building the wrapper (:func:`host_ordered`). Its streams and
-events are counted (``_C._host_ordering_counts()``), so a test can tell which device-ordered
+events are counted (``_C._testing.host_ordering_counts()``), so a test can tell which device-ordered
 branches ran (:func:`counts_moved`).
 """
 
@@ -18,15 +18,15 @@ T = TypeVar("T")
 
 def host_ordered(build: Callable[[], T]) -> T:
     """``build()`` with host ordering on (read at construction), then off again."""
-    _C._set_host_ordering(True)
+    _C._testing.set_host_ordering(True)
     try:
         return build()
     finally:
-        _C._set_host_ordering(False)
+        _C._testing.set_host_ordering(False)
 
 
 def counts_moved(before: dict, what: str, *keys: str) -> None:
     """Asserts that each of host ordering's counts ``keys`` grew since ``before``."""
-    after = _C._host_ordering_counts()
+    after = _C._testing.host_ordering_counts()
     for key in keys:
         assert after[key] > before[key], f"{what}: no {key} under host ordering ({after})"

@@ -20,7 +20,11 @@ if TYPE_CHECKING:
     from ._link import InBackward
 
 #: The torch classes leanddp's fused kernels step, and the kind (csrc/fused_optim.h) they are.
-_FUSED_KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
+_FUSED_KINDS = {
+    torch.optim.SGD: _C.OptimKind.sgd,
+    torch.optim.Adam: _C.OptimKind.adam,
+    torch.optim.AdamW: _C.OptimKind.adam,
+}
 
 
 def fail(message: str, cls: type[Exception] = ValueError) -> NoReturn:
@@ -70,15 +74,15 @@ def build_optimizer(
     return optimizer, group_of
 
 
-def fused_kind(optimizer: torch.optim.Optimizer | type) -> str:
-    """ "sgd" or "adam" when leanddp's fused kernels can step this optimizer (or class), else
-    ""."""
+def fused_kind(optimizer: torch.optim.Optimizer | type) -> _C.OptimKind | None:
+    """The kind (``_C.OptimKind``) when leanddp's fused kernels can step this optimizer (or
+    class), else None."""
     if isinstance(optimizer, type):
-        return _FUSED_KINDS.get(base_class_of(optimizer), "")
-    kind = _FUSED_KINDS.get(base_class(optimizer), "")
+        return _FUSED_KINDS.get(base_class_of(optimizer))
+    kind = _FUSED_KINDS.get(base_class(optimizer))
     for group in optimizer.param_groups:
         if group.get("differentiable") or group.get("amsgrad"):
-            return ""
+            return None
     return kind
 
 
@@ -93,11 +97,15 @@ def check_fused(
     ``contiguous``: the host steps them (offload_to_cpu), which need contiguous parameters
     (the device's kernels step any dense layout): the rule is ``leanddp._C.state_spec``'s."""
     kind = fused_kind(optimizer)
-    if not kind:
+    if kind is None:
         fail(
             f"{what} steps with leanddp's fused kernels, which cover torch.optim.SGD, Adam and "
             f"AdamW (without amsgrad or differentiable); got {type(optimizer).__name__}"
-            + (" with amsgrad or differentiable set" if fused_kind(type(optimizer)) else "")
+            + (
+                " with amsgrad or differentiable set"
+                if fused_kind(type(optimizer)) is not None
+                else ""
+            )
         )
     for name, p in trainable:
         spec = _C.state_spec(kind, p, on_host=contiguous, momentum=False)
@@ -119,7 +127,7 @@ def check_scaler(scaler: Any, link: InBackward, names: Sequence[str]) -> None:
             "grad_scaler is not supported with offload_to_cpu (the host steps would have to "
             "read the scale and found_inf from the device); use bfloat16, which needs no scaler"
         )
-    if not link.kind:
+    if link.kind is None:
         fail(
             "grad_scaler needs an optimizer leanddp's fused kernels step (torch.optim.SGD, "
             f"Adam or AdamW without amsgrad or differentiable); got {link.cls.__name__}"

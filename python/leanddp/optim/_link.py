@@ -1,9 +1,10 @@
-"""optimizer_in_backward's link: ``InBackward`` connects ``ddp.optimizer`` to the Reducer.
+"""optimizer_in_backward's link: ``InBackward`` connects ``ddp.optimizer`` to its C++ side.
 
-It hands the optimizer to the Reducer (its kind, parameters, groups, the fallback, offload's
-settings), pushes the live hyper-parameters (and GradScaler's scale) before each forward in the
-fused optimizer's terms, and keeps ``optimizer.state`` pointed at the fused state
-(:class:`~leanddp.optim._state.StateView`), loading checkpoints and adopted entries into it.
+It builds the ``_C.InBackwardOptimizer`` (its kind, parameters, groups, the fallback, offload's
+settings) and hands it to the Reducer, which gives it every reduced bucket; it pushes the live
+hyper-parameters (and GradScaler's scale) before each forward in the fused optimizer's terms, and
+keeps ``optimizer.state`` pointed at the fused state (:class:`~leanddp.optim._state.StateView`),
+loading checkpoints and adopted entries into it.
 """
 
 from __future__ import annotations
@@ -46,12 +47,14 @@ def _lr(lr: Any, device: torch.device | None) -> float | Tensor:
     return float(lr)
 
 
-def _hyper(group: dict[str, Any], cls: type, device: torch.device | None = None) -> dict[str, Any]:
+def _hyper(group: dict[str, Any], cls: type, device: torch.device | None = None) -> _C.OptimHyper:
     """A param group's hyper-parameters in the fused optimizer's terms (``device``: where a
     tensor lr may stay a tensor; None: read it as a float)."""
     beta1, beta2 = group.get("betas", (0.9, 0.999))
-    return dict(
-        lr=_lr(group["lr"], device),
+    lr = _lr(group["lr"], device)
+    return _C.OptimHyper(
+        lr=0.0 if isinstance(lr, Tensor) else lr,
+        lr_tensor=lr if isinstance(lr, Tensor) else None,
         beta1=float(beta1),
         beta2=float(beta2),
         eps=float(group.get("eps", 1e-8)),
@@ -65,8 +68,9 @@ def _hyper(group: dict[str, Any], cls: type, device: torch.device | None = None)
 
 
 class InBackward:
-    """Connects ``ddp.optimizer`` to the Reducer: pushes hyper-parameters before each forward,
-    exposes the fused state as ``optimizer.state`` and loads checkpoints into it."""
+    """Connects ``ddp.optimizer`` to its C++ side (``_C.InBackwardOptimizer``, :attr:`core`):
+    pushes hyper-parameters before each forward, exposes the fused state as
+    ``optimizer.state`` and loads checkpoints into it."""
 
     def __init__(
         self,
@@ -78,15 +82,22 @@ class InBackward:
         grad_scaler: torch.amp.GradScaler | None = None,
         names: Sequence[str] | None = None,
         sharded: bool = False,
+        offload_threads: int = 1,
+        max_grad_norm: float | None = None,
     ) -> None:
-        self._ddp = weakref.ref(ddp)  # the Reducer holds the optimizer: no cycle through C++
+        # The wrapper holds the C++ optimizer (which holds the fallback, which holds the torch
+        # optimizer, which holds this link): weakly here, so no cycle runs through C++.
+        self._ddp = weakref.ref(ddp)
+        self._core: weakref.ref[Any] | None = None
         self.optimizer = optimizer
         self.cls = base_class(optimizer)
         self.kind = fused_kind(optimizer)
         self.params = params
         self.group_of = group_of
-        #: offload_to_cpu (its threads and clipping are the Reducer's options)
+        #: offload_to_cpu, its threads and clipping
         self.offload = offload
+        self.offload_threads = offload_threads
+        self.max_grad_norm = max_grad_norm
         names = names or [str(i) for i in range(len(params))]
         self.loading = False  # inside optimizer.load_state_dict(): the state is the loaded one
         # load_state_dict: the state's tensors as saved (uncast), per parameter index
@@ -117,33 +128,45 @@ class InBackward:
         guard_clipping(params)
 
     @property
+    def core(self) -> Any:
+        """The ``_C.InBackwardOptimizer`` (None once the wrapper is gone)."""
+        return None if self._core is None else self._core()
+
+    @property
     def reducer(self) -> Any:
         ddp = self._ddp()
         return None if ddp is None else ddp.reducer
 
-    def attach(self, reducer: Any) -> None:
-        """Hands the optimizer to a (new) Reducer; state already in ``optimizer.state`` moves
-        into it."""
-        setup = _C.OptimizerSetup()
-        setup.kind = self.kind
-        setup.group_of = list(self.group_of)
-        setup.groups = self._hypers()
-        setup.step_device = self.step_device
-        setup.fallback = self.fallback
-        reducer.set_optimizer(setup)
+    def attach(self, reducer: Any, group: Any, names: Sequence[str]) -> Any:
+        """Builds the C++ optimizer over the parameters (``names``, on the process group
+        ``group``) and hands it to ``reducer``; state already in ``optimizer.state`` moves into
+        it. Returns it, for the wrapper to hold."""
+        options = _C.InBackwardOptions()
+        options.kind = self.kind
+        options.group_of = list(self.group_of)
+        options.groups = self._hypers()
+        options.step_device = self.step_device
+        options.offload_to_cpu = self.offload
+        options.offload_threads = self.offload_threads
+        options.sharded = self.sharded
+        options.max_grad_norm = self.max_grad_norm if self.offload else None
+        core = _C.InBackwardOptimizer(self.params, list(names), group, options, self.fallback)
+        reducer.set_optimizer(core)
+        self._core = weakref.ref(core)
         self.view.generation = -1
         if self.optimizer.__dict__["state"]:
-            self.load_state()
+            self.load_state(core)
+        return core
 
     def wait_for_steps(self) -> None:
         """Makes the last backward's steps visible to the caller (``ddp.synchronize()``): with
         offload_to_cpu the host waits for the host steps and raises an error one met; on a GPU
         the current stream is ordered after the side stream's steps."""
-        reducer = self.reducer
-        if reducer is not None:
-            reducer.wait_for_steps(host_too=self.offload)
+        core = self.core
+        if core is not None:
+            core.wait_for_steps(host_too=self.offload)
 
-    def _hypers(self) -> list[dict[str, Any]]:
+    def _hypers(self) -> list[_C.OptimHyper]:
         device = None if self.offload else self.device  # the host step takes numbers
         return [_hyper(g, self.cls, device) for g in self.optimizer.param_groups]
 
@@ -154,8 +177,9 @@ class InBackward:
         that waits for them bucket by bucket)."""
         self.loading = False  # a load_state_dict that raised changed nothing
         self.saved = {}
-        if self.kind:
-            self.reducer.set_optimizer_groups(self._hypers())
+        core = self.core
+        if self.kind is not None:
+            core.set_groups(self._hypers())
         if self.scaler is not None:
             scaler = self.scaler
             if scaler._scale is None:  # what scaler.scale(loss) would do, a step earlier
@@ -164,7 +188,7 @@ class InBackward:
             if scale.device != self.device:
                 fail(f"grad_scaler's scale is on {scale.device}, the parameters on {self.device}")
             self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
-            self.reducer.set_grad_scaler(scale, self.found_inf)
+            core.set_grad_scaler(scale, self.found_inf)
         self.optimizer._opt_called = True  # LR schedulers: the optimizer does step
         if adopt:
             self.adopt_state()
@@ -172,41 +196,42 @@ class InBackward:
     def adopt_state(self) -> None:
         """Adopts optimizer state code replaced since the last call, and points
         ``optimizer.state`` at the fused state (waits for the steps where it was created)."""
-        if self.kind:
-            self.view.adopt(self.reducer)
+        if self.kind is not None:
+            self.view.adopt(self.core)
         self.sync_state()
-        if self.kind:
+        if self.kind is not None:
             self.view.mark()
 
     def sync_state(self) -> None:
         """Points ``optimizer.state`` at the fused state (after it was created or moved)."""
-        reducer = self.reducer
-        if reducer is None or not self.kind or self.loading:
+        core = self.core
+        if core is None or self.kind is None or self.loading:
             return
-        self.view.sync(reducer)
+        self.view.sync(core)
 
-    def load_state(self) -> None:
-        """Copies what ``optimizer.state`` holds for fused parameters into the fused state: the
-        tensors as saved, not as torch's load cast them (:func:`_facade._saved_tensors`)."""
+    def load_state(self, core: Any = None) -> None:
+        """Copies what ``optimizer.state`` holds for fused parameters into the fused state
+        (``core``'s, by default the attached one): the tensors as saved, not as torch's load
+        cast them (:func:`_facade._saved_tensors`)."""
         self.loading = False
         saved, self.saved = self.saved, {}
-        reducer = self.reducer
-        if reducer is None or not self.kind:
+        core = core if core is not None else self.core
+        if core is None or self.kind is None:
             return
-        reducer.set_optimizer_groups(self._hypers())  # the loaded groups (momentum on or off)
-        self.view.load_all(reducer, saved)
+        core.set_groups(self._hypers())  # the loaded groups (momentum on or off)
+        self.view.load_all(core, saved)
 
     def gathered_state(self) -> dict[nn.Parameter, dict[str, Any]]:
         """shard_optimizer_state: every parameter's state in torch's format, gathered from
         every rank's shard (a collective: every rank calls it and gets the whole state)."""
-        entries = self.reducer.gathered_optimizer_state()
+        entries = self.core.gathered_state()
         return {p: dict(e) for p, e in zip(self.params, entries, strict=True) if e}
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (fused buffers and fallback state alike; this rank's
         shard of it with shard_optimizer_state)."""
         if self.sharded:
-            return self.reducer.memory_stats().optimizer_state_bytes
+            return int(self.core.memory_stats().state_bytes)
         self.sync_state()
         seen: dict[tuple[str, int], int] = {}
         for entry in self.optimizer.__dict__["state"].values():

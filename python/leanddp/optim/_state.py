@@ -34,12 +34,12 @@ class StateView:
 
     ``given[i]``: the entry (a dict) last put into ``optimizer.state`` for parameter ``i`` and
     its values, or None where none was (no state yet). Changes whenever the entries are
-    rebuilt (:meth:`sync`), which happens when the reducer's optimizer generation changes."""
+    rebuilt (:meth:`sync`), which happens when the optimizer's generation changes."""
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        kind: str,
+        kind: _C.OptimKind | None,
         params: Sequence[nn.Parameter],
         names: Sequence[str],
         group_of: Sequence[int],
@@ -53,7 +53,7 @@ class StateView:
         self.group_of = group_of
         self.offload = offload
         # per parameter: whether the fused kernels step it (else the fallback does); fixed
-        self.fused = [bool(kind) and self.spec(i).stepped for i in range(len(params))]
+        self.fused = [kind is not None and self.spec(i).stepped for i in range(len(params))]
         # shard_optimizer_state: no rank holds a parameter's whole state, so optimizer.state
         # holds none (state_dict() gathers it); what code writes there is adopted, then dropped.
         self.sharded = sharded
@@ -74,22 +74,22 @@ class StateView:
     def state(self) -> dict[Any, dict[str, Any]]:
         return self.optimizer.__dict__["state"]
 
-    def sync(self, reducer: Any, adopt: bool = True) -> None:
+    def sync(self, core: Any, adopt: bool = True) -> None:
         """Re-points the entries at the fused state if it was created, moved or loaded since the
         last call (a replaced entry is adopted first, ``adopt``: its values would be lost)."""
-        generation = reducer.optimizer_generation()
+        generation = core.generation()
         if generation == self.generation:
             return
         if adopt:
-            self.adopt(reducer)
-            generation = reducer.optimizer_generation()
+            self.adopt(core)
+            generation = core.generation()
         state = self.state
         for i, p in enumerate(self.params):
             if self.fused[i] and self.sharded:
                 state.pop(p, None)
                 self.given[i] = None
             elif self.fused[i]:
-                entries = reducer.optimizer_state(i)
+                entries = core.state(i)
                 if entries:
                     entry = dict(entries)
                     state[p] = entry
@@ -138,7 +138,7 @@ class StateView:
                 out.append(i)
         return out
 
-    def adopt(self, reducer: Any) -> bool:
+    def adopt(self, core: Any) -> bool:
         """Copies replaced entries into the fused state (all checked first: a value that cannot
         be adopted raises before any is copied). Returns whether any was."""
         if self.unchanged():
@@ -146,13 +146,13 @@ class StateView:
         indices = self.replaced()
         if not indices:
             return False
-        for i, entry in zip(indices, self._check_and_load(reducer, indices), strict=True):
+        for i, entry in zip(indices, self._check_and_load(core, indices), strict=True):
             # (re-pointed by the next sync where the fused state exists; else it stays this one)
             self.given[i] = None if entry is None else (entry, tuple(entry.values()))
         return True
 
     def _check_and_load(
-        self, reducer: Any, indices: list[int], saved: dict[int, dict[str, Any]] | None = None
+        self, core: Any, indices: list[int], saved: dict[int, dict[str, Any]] | None = None
     ) -> list[dict[str, Any] | None]:
         """Checks the ``optimizer.state`` entries of these parameters, all before any is copied,
         then copies them into the fused state; returns the entries (None where absent).
@@ -167,16 +167,16 @@ class StateView:
         for i, entry in zip(indices, entries, strict=True):
             self.check(i, entry or {})
         for i, entry in zip(indices, entries, strict=True):
-            self.load(reducer, i, entry or {})
+            self.load(core, i, entry or {})
         return entries
 
-    def load_all(self, reducer: Any, saved: dict[int, dict[str, Any]] | None = None) -> None:
+    def load_all(self, core: Any, saved: dict[int, dict[str, Any]] | None = None) -> None:
         """Copies what ``optimizer.state`` holds for every fused parameter into the fused state
         (after ``load_state_dict``; ``saved``: see :meth:`_check_and_load`) and points the
         entries at it."""
-        self._check_and_load(reducer, [i for i, f in enumerate(self.fused) if f], saved)
+        self._check_and_load(core, [i for i, f in enumerate(self.fused) if f], saved)
         self.generation = -1
-        self.sync(reducer, adopt=False)
+        self.sync(core, adopt=False)
 
     def _fail(self, i: int, key: str, message: str) -> None:
         raise ValueError(
@@ -218,31 +218,31 @@ class StateView:
             if not value.is_floating_point():
                 self._fail(i, key, f"expected a floating-point tensor, got {value.dtype}")
 
-    def load(self, reducer: Any, i: int, entry: dict[str, Any]) -> None:
+    def load(self, core: Any, i: int, entry: dict[str, Any]) -> None:
         """Copies ``entry`` (checked) into parameter ``i``'s fused state; an empty entry resets it,
         as a plain torch optimizer starts over from an empty ``state[p]``."""
         spec = self.spec(i)
         if spec.master and "master_weight" in entry:
-            reducer.load_master_weight(i, entry["master_weight"])
+            core.load_master_weight(i, entry["master_weight"])
         if spec.counted:
             if any(key in entry for key in ("step", *spec.buffers)):
                 values = [entry[key] for key in spec.buffers]
-                reducer.load_optimizer_state(i, int(float(entry["step"])), values)
+                core.load_state(i, int(float(entry["step"])), values)
                 return
             # Starting over: the first step reads the buffers as zeros (Adam's moments), so the
             # values held so far must not survive in leanddp's buffers (a count of 0 alone
             # keeps them).
-            held = dict(reducer.optimizer_state(i))
+            held = dict(core.state(i))
             if spec.buffers and spec.buffers[0] in held:
                 zeros = [torch.zeros_like(held[key]) for key in spec.buffers]
-                reducer.load_optimizer_state(i, 1, zeros)
-            reducer.load_optimizer_state(i, 0, [])
+                core.load_state(i, 1, zeros)
+            core.load_state(i, 0, [])
             return
         # Without a count (SGD's momentum buffer), the first step overwrites the buffers.
         if self._holds_buffers(spec, entry):
-            reducer.load_optimizer_state(i, 1, [entry[key] for key in spec.buffers])
+            core.load_state(i, 1, [entry[key] for key in spec.buffers])
         else:
-            reducer.load_optimizer_state(i, 0, [])
+            core.load_state(i, 0, [])
 
     @staticmethod
     def _holds_buffers(spec: Any, entry: dict[str, Any]) -> bool:

@@ -1,0 +1,170 @@
+// leanddp._C._testing: the seams tests drive directly (the step window, the shard collectives,
+// host ordering, the offload worker's end on its own thread, the OpenMP build check). Nothing
+// in leanddp itself calls them (see bindings.h).
+#include "bindings.h"
+#include "fused_optim.h"
+#include "offload.h"
+#include "shard.h"
+#include "step_window.h"
+#include "streams.h"
+
+#include <ATen/Parallel.h>
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <future>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+
+namespace py = pybind11;
+
+namespace leanddp {
+namespace {
+
+// The step window's decision unit (step_window.h), for the tests that drive it directly.
+void bind_step_window(py::module_& m) {
+  using leanddp::StepWindow;
+  py::class_<StepWindow>(m, "StepWindow")
+      .def(py::init<size_t, bool>(), py::arg("capacity"), py::arg("device_ordered"))
+      .def("reset", &StepWindow::reset, py::arg("carried") = 0)
+      .def(
+          "next",
+          [](const StepWindow& self, const std::string& phase,
+             const std::function<bool(size_t)>& ready) -> py::object {
+            static const std::map<std::string, StepWindow::Phase> phases{
+                {"after_hook", StepWindow::Phase::kAfterHook},
+                {"before_launch", StepWindow::Phase::kBeforeLaunch},
+                {"end", StepWindow::Phase::kEnd}};
+            const auto it = phases.find(phase);
+            TORCH_CHECK(it != phases.end(), "StepWindow.next: unknown phase ", phase);
+            const auto decision = self.next(it->second, ready);
+            if (!decision) return py::none();
+            static const char* names[] = {"step", "step_waiting", "finish"};
+            // (a carried step's bucket belongs to an earlier backward: None)
+            const py::object bucket =
+                decision->bucket == StepWindow::kCarried ? py::none() : py::cast(decision->bucket);
+            return py::make_tuple(names[static_cast<int>(decision->action)], bucket);
+          },
+          py::arg("phase"), py::arg("ready"))
+      .def("launched_one", &StepWindow::launched_one)
+      .def("stepped_one", &StepWindow::stepped_one)
+      .def("finished_one", &StepWindow::finished_one)
+      .def_property_readonly("launched", &StepWindow::launched)
+      .def_property_readonly("stepped", &StepWindow::stepped)
+      .def_property_readonly("finished", &StepWindow::finished)
+      .def_property_readonly("carried", &StepWindow::carried)
+      .def_property_readonly("in_flight", &StepWindow::in_flight);
+}
+
+// For tests: a HostOffload over one CPU parameter whose worker thread drops the last reference to
+// it, so that its destructor (and shutdown()) run on the worker itself. Returns whether the
+// destructor ran on another thread than the caller's, after it completed.
+bool offload_released_on_worker() {
+  at::Tensor param = at::zeros({4});
+  std::vector<at::Tensor> params{param};
+  auto fused = std::make_unique<leanddp::FusedOptimizer>(
+      leanddp::OptimKind::kSgd, params, std::vector<int64_t>{0},
+      std::vector<leanddp::OptimHyper>(1), c10::Device(c10::kCPU), /*on_host=*/true);
+  std::promise<std::thread::id> destroyed;
+  std::future<std::thread::id> destroyed_on = destroyed.get_future();
+  std::shared_ptr<leanddp::HostOffload> owner(
+      new leanddp::HostOffload(params, std::move(fused), leanddp::OffloadOptions{}),
+      [&destroyed](leanddp::HostOffload* offload) {
+        delete offload;
+        destroyed.set_value(std::this_thread::get_id());
+      });
+  std::promise<void> released;
+  std::shared_future<void> caller_released = released.get_future().share();
+  // The task holds a reference until the worker drops the finished job, after ours is gone.
+  owner->post([keep = owner, caller_released] { caller_released.wait(); });
+  owner.reset();
+  released.set_value();
+  return destroyed_on.get() != std::this_thread::get_id();
+}
+
+}  // namespace
+
+void bind_testing(py::module_& m) {
+  py::module_ t = m.def_submodule("_testing", "Test seams of leanddp's extension.");
+  bind_step_window(t);
+  t.def(
+      "reduce_to_shard",
+      [](const py::object& process_group, at::Tensor flat, const std::vector<int64_t>& offsets,
+         const std::vector<int64_t>& numels, int64_t bucket_numel, int64_t align) {
+        auto group = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+        const leanddp::ShardLayout layout = leanddp::shard_layout(
+            offsets, numels, bucket_numel, align, group->getSize(), group->getRank());
+        // Without the GIL from the collective's start (as torch's bindings): gloo's worker may
+        // drop an earlier work's Python-owned tensors, which takes the GIL, while holding the
+        // lock the start needs.
+        py::gil_scoped_release no_gil;
+        leanddp::reduce_to_shard(group, flat, layout)->wait();
+      },
+      py::arg("process_group"), py::arg("flat"), py::arg("offsets"), py::arg("numels"),
+      py::arg("bucket_numel"), py::arg("align"),
+      "reduce_to_shard (csrc/shard.h) of the padded bucket `flat` over the group, "
+      "waited for.");
+  t.def("set_host_ordering", &leanddp::set_host_ordering, py::arg("on"),
+        "(csrc/streams.h) CPU tensors are ordered as if on a device that runs apart, "
+        "so wrappers built afterwards take their device-ordered branches on the CPU.");
+  t.def(
+      "host_ordering_counts",
+      [] {
+        const auto c = leanddp::host_ordering_counts();
+        py::dict d;
+        d["streams"] = c.streams;
+        d["records"] = c.records;
+        d["blocks"] = c.blocks;
+        d["synchronizes"] = c.synchronizes;
+        d["records_on_stream"] = c.records_on_stream;
+        return d;
+      },
+      "What host ordering was asked to do in this process so far (csrc/streams.h).");
+  t.def(
+      "reduces_scattered",
+      [](const py::object& process_group, const std::string& device) {
+        auto group = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+        return leanddp::reduces_scattered(group, c10::Device(device));
+      },
+      py::arg("process_group"), py::arg("device"),
+      "whether shard_optimizer_state reduce-scatters buckets on `device` over the "
+      "group (csrc/shard.h), else allreduces them.");
+  t.def(
+      "pack_and_gather_shards",
+      [](const py::object& process_group, at::Tensor flat, const std::vector<int64_t>& offsets,
+         const std::vector<int64_t>& numels, int64_t bucket_numel, int64_t align,
+         const std::vector<at::Tensor>& sources) {
+        auto group = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+        const leanddp::ShardLayout layout = leanddp::shard_layout(
+            offsets, numels, bucket_numel, align, group->getSize(), group->getRank());
+        py::gil_scoped_release no_gil;  // (see reduce_to_shard)
+        leanddp::pack_shard(flat, layout, sources);
+        leanddp::gather_shards(group, flat, layout)->wait();
+      },
+      py::arg("process_group"), py::arg("flat"), py::arg("offsets"), py::arg("numels"),
+      py::arg("bucket_numel"), py::arg("align"), py::arg("sources"),
+      "pack_shard then gather_shards (csrc/shard.h) of the padded bucket `flat`, "
+      "waited for.");
+  t.def("offload_released_on_worker", &offload_released_on_worker,
+        py::call_guard<py::gil_scoped_release>(),
+        "an offload worker that drops the last reference to its owner (its "
+        "destructor runs on the worker thread); True once it completed there.");
+  t.def(
+      "parallel_threads",
+      [] {
+        std::mutex mu;
+        std::set<int> ids;
+        at::parallel_for(0, 1 << 20, 1, [&](int64_t, int64_t) {
+          std::lock_guard<std::mutex> lock(mu);
+          ids.insert(at::get_thread_num());
+        });
+        return ids.size();
+      },
+      "How many threads at::parallel_for uses from this extension (a build check: without "
+      "OpenMP it silently uses one).");
+}
+
+}  // namespace leanddp

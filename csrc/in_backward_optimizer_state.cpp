@@ -1,0 +1,208 @@
+// InBackwardOptimizer's state in torch's format (see in_backward_optimizer.h): per parameter,
+// gathered from the shards, shard by shard for checkpoints that stay sharded, step counts and
+// master weights.
+#include "in_backward_optimizer.h"
+
+#include "errors.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+namespace leanddp {
+
+void InBackwardOptimizer::check_param(size_t p) const {
+  TORCH_CHECK(p < params_.size(), "InBackwardOptimizer: no parameter ", p);
+}
+
+void InBackwardOptimizer::check_idle(const char* what) const {
+  TORCH_CHECK(group_, "leanddp.DistributedDataParallel: ", what,
+              " after the wrapper was closed (at interpreter exit, or when it was collected): "
+              "it no longer holds its process group");
+  TORCH_CHECK(!in_backward_, "leanddp.DistributedDataParallel: ", what,
+              " happens between iterations, not during a backward");
+}
+
+FusedOptimizer& InBackwardOptimizer::fused(const char* what) const {
+  FusedOptimizer* fused = steps_->optimizer();
+  TORCH_CHECK(fused, "InBackwardOptimizer: ", what, " needs the fused optimizer");
+  return *fused;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> InBackwardOptimizer::state(size_t p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_param(p);
+  wait_locked(/*host_too=*/false, /*order_device=*/true);
+  FusedOptimizer* fused = steps_->optimizer();
+  if (!fused || !fused->can_step(p) || location_.empty()) return {};
+  const auto [b, s] = location_[p];
+  auto state = fused->state(p, b, layout_[b], s);
+  if (host_ && host_->master(p).defined()) {  // (a master alone: SGD without momentum)
+    state.emplace_back("master_weight", host_->master(p));
+  }
+  return state;
+}
+
+void InBackwardOptimizer::load_state(size_t p, int64_t step,
+                                     const std::vector<at::Tensor>& values) {
+  at::NoGradGuard no_grad;
+  std::lock_guard<std::mutex> lock(mu_);
+  check_param(p);
+  wait_locked(/*host_too=*/false, /*order_device=*/true);
+  FusedOptimizer* fused = steps_->optimizer();
+  TORCH_CHECK(fused && fused->can_step(p), "InBackwardOptimizer: parameter ", names_[p],
+              " is not stepped by the fused optimizer");
+  const auto [b, s] = location_[p];
+  fused->load_state(p, b, layout_[b], s, step, values);
+}
+
+void InBackwardOptimizer::load_master_weight(size_t p, const at::Tensor& value) {
+  at::NoGradGuard no_grad;
+  std::lock_guard<std::mutex> lock(mu_);
+  check_param(p);
+  TORCH_CHECK(host_, "InBackwardOptimizer: master weights exist only with offload_to_cpu");
+  wait_locked(/*host_too=*/true, /*order_device=*/true);
+  host_->load_master(p, value);
+}
+
+void InBackwardOptimizer::adopt_master_weights() {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(host_, "InBackwardOptimizer: master weights exist only with offload_to_cpu");
+  wait_locked(/*host_too=*/true, /*order_device=*/true);
+  host_->adopt_masters();
+}
+
+int64_t InBackwardOptimizer::generation() {
+  std::lock_guard<std::mutex> lock(mu_);
+  // (reads host counters only, which only steps change: no wait where none is pending, such as
+  // while the worker sums no_sync() micro-batches)
+  if (!host_ || !host_->pending().empty()) {
+    wait_locked(/*host_too=*/false, /*order_device=*/false);
+  }
+  return steps_->generation();
+}
+
+std::vector<at::Tensor> InBackwardOptimizer::gather_state(const std::vector<Bucket>& layout,
+                                                          const std::vector<ShardLayout>& shards,
+                                                          size_t index) {
+  const ShardLayout& cut = shards[index];
+  std::vector<at::Tensor> local = steps_->optimizer()->state_buffers(index, layout[index]);
+  // offload_to_cpu: a low-precision bucket's float32 masters too (last).
+  if (host_ && low_precision(layout[index])) local.push_back(host_->masters_block(index));
+  // Gathered on the parameters' device (the process group's), each buffer in turn, then kept
+  // where the state lives (the host, with offload_to_cpu).
+  const c10::Device device = params_.front().device();
+  std::vector<at::Tensor> whole;
+  for (const at::Tensor& shard : local) {
+    at::Tensor full = at::zeros({cut.padded}, shard.options().device(device));
+    full.narrow(0, cut.begin, cut.shard_numel).copy_(shard);
+    try {
+      gather_shards(group_, full, cut)->wait();
+    } catch (...) {
+      rethrow_collective_error(group_->getRank(),
+                               "gathering the optimizer state of bucket " + std::to_string(index));
+    }
+    whole.push_back(shard.device() == device ? std::move(full) : full.to(shard.device()));
+  }
+  return whole;
+}
+
+std::vector<std::vector<std::pair<std::string, at::Tensor>>> InBackwardOptimizer::gathered_state() {
+  at::NoGradGuard no_grad;
+  std::lock_guard<std::mutex> lock(mu_);
+  check_idle("gathering the sharded optimizer state");
+  FusedOptimizer& fused = this->fused("gathered_state");
+  TORCH_CHECK(fused.sharded(), "InBackwardOptimizer: gathered_state needs shard_optimizer_state");
+  wait_locked(/*host_too=*/true, /*order_device=*/true);
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> out(params_.size());
+  for (size_t b = 0; b < layout_.size(); ++b) {
+    const std::vector<at::Tensor> full = gather_state(layout_, shards_, b);
+    const Bucket& bucket = layout_[b];
+    for (size_t s = 0; s < bucket.params.size(); ++s) {
+      const auto p = static_cast<size_t>(bucket.params[s]);
+      out[p] = fused.state_from(p, full, bucket.offsets[s]);
+      const at::Tensor& param = params_[p];
+      // (a master alone too: SGD without momentum)
+      if (host_ && param.scalar_type() != at::kFloat && host_->master_made(p)) {
+        out[p].emplace_back("master_weight", slice_like(full.back(), bucket.offsets[s], param));
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<std::vector<std::array<int64_t, 3>>> InBackwardOptimizer::shard_placement() {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(options_.sharded, "InBackwardOptimizer: shard_placement needs shard_optimizer_state");
+  check_idle("reading the shard placement");
+  const int64_t world = group_->getSize();
+  std::vector<std::vector<std::array<int64_t, 3>>> out(params_.size());
+  for (size_t b = 0; b < layout_.size(); ++b) {
+    const Bucket& bucket = layout_[b];
+    for (int64_t r = 0; r < world; ++r) {
+      for (const ShardPiece& piece : cut_bucket(bucket, params_, world, r).pieces) {
+        out[static_cast<size_t>(bucket.params[piece.slot])].push_back(
+            {r, piece.slot_offset, piece.numel});
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<std::tuple<int64_t, std::string, at::Tensor>> InBackwardOptimizer::local_state() {
+  at::NoGradGuard no_grad;  // (masters made from the parameters)
+  std::lock_guard<std::mutex> lock(mu_);
+  check_idle("reading the sharded optimizer state");
+  FusedOptimizer& fused = this->fused("local_state");
+  TORCH_CHECK(fused.sharded(), "InBackwardOptimizer: local_state needs shard_optimizer_state");
+  wait_locked(/*host_too=*/true, /*order_device=*/true);
+  std::vector<std::tuple<int64_t, std::string, at::Tensor>> out;
+  for (size_t b = 0; b < layout_.size(); ++b) {
+    const Bucket& bucket = layout_[b];
+    const std::vector<at::Tensor>& buffers = fused.state_buffers(b, bucket);
+    const bool masters = host_ != nullptr && low_precision(bucket);
+    // A master not made yet (no step, nothing loaded) is uninitialized memory: it is made now
+    // from its parameter, as the first step would make it, so that a checkpoint saved before
+    // the first step holds what training starts from. Every rank marks every parameter made
+    // (master_made), also those it holds no piece of.
+    for (size_t s = 0; masters && s < bucket.params.size(); ++s) {
+      const auto p = static_cast<size_t>(bucket.params[s]);
+      if (!host_->master_made(p)) host_->load_master(p, params_[p]);
+    }
+    for (const ShardPiece& piece : shards_[b].pieces) {
+      const int64_t p = bucket.params[piece.slot];
+      const std::vector<std::string> keys = fused.buffer_keys(static_cast<size_t>(p));
+      for (size_t k = 0; k < keys.size(); ++k) {
+        out.emplace_back(p, keys[k], buffers[k].narrow(0, piece.shard_offset, piece.numel));
+      }
+      if (masters) {
+        out.emplace_back(p, "master_weight",
+                         host_->masters_block(b).narrow(0, piece.shard_offset, piece.numel));
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<int64_t> InBackwardOptimizer::steps() {
+  std::lock_guard<std::mutex> lock(mu_);
+  wait_locked(/*host_too=*/false, /*order_device=*/false);  // (host counters)
+  FusedOptimizer& fused = this->fused("steps");
+  std::vector<int64_t> out;
+  for (size_t p = 0; p < params_.size(); ++p) out.push_back(fused.steps(p));
+  return out;
+}
+
+void InBackwardOptimizer::set_steps(const std::vector<int64_t>& steps) {
+  std::lock_guard<std::mutex> lock(mu_);
+  wait_locked(/*host_too=*/true, /*order_device=*/true);
+  FusedOptimizer& fused = this->fused("set_steps");
+  TORCH_CHECK(steps.size() == params_.size(), "InBackwardOptimizer: ", steps.size(),
+              " step counts for ", params_.size(), " parameters");
+  for (size_t p = 0; p < params_.size(); ++p) {
+    TORCH_CHECK(steps[p] >= 0, "leanddp.DistributedDataParallel: parameter ", names_[p],
+                ": negative step count ", steps[p]);
+  }
+  for (size_t p = 0; p < params_.size(); ++p) fused.set_steps(p, steps[p]);
+}
+
+}  // namespace leanddp
