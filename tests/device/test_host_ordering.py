@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from ddp_models import Case, LockStep, Net, accumulate, assert_same
 from dist_harness import run_ranks
+from fault_models import nan_step
 from in_backward_models import (
     OPTIMIZERS,
     Deep,
@@ -30,6 +31,7 @@ from in_backward_models import (
     train_lock_step,
 )
 from seam import counts_moved, host_ordered
+from sparse_models import SparseCase, sparse_parity_case
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -264,13 +266,11 @@ def test_offload_with_mixed_dtypes_through_the_device_staging_path() -> None:
 
 
 def _nan_check(rank: int, world_size: int) -> None:
-    from test_nan_check import _nan_step
-
     _C._set_host_ordering(True)  # (torch's DDP beside ours is not affected)
     before = _C._host_ordering_counts()
     cases = (("in_backward", True, 1), ("in_backward", "strict", 2), ("offload", True, 2))
     for config, check, accum in cases:
-        _nan_step(rank, world_size, config, check, accum)
+        nan_step(rank, world_size, config, check, accum)
     counts_moved(before, "NaN check", "records", "blocks")
 
 
@@ -283,10 +283,8 @@ def test_nan_check_flags_on_the_side_stream() -> None:
 
 
 def _sparse(rank: int, world_size: int) -> None:
-    from test_sparse import Case, _parity_case
-
     _C._set_host_ordering(True)  # (torch's DDP beside ours is not affected)
-    _parity_case(rank, world_size, Case(comm_hook=True, accum=2))
+    sparse_parity_case(rank, world_size, SparseCase(comm_hook=True, accum=2))
 
 
 def test_sparse_bucket_with_a_comm_hook() -> None:
