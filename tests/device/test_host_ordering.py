@@ -8,7 +8,8 @@ Their operations complete at once on the host, and are counted: each case assert
 ran, and trains against torch's DDP + the same torch optimizer in the same processes.
 
 What a seam cannot show (real concurrency between the host and a device, NCCL's own ordering,
-pinned memory, CUDA timing) is tests/device/test_cuda_ddp.py's, on a GPU.
+pinned memory, CUDA timing) is tests/device/test_cuda_ddp_parity.py's and
+test_cuda_ddp_async.py's, on a GPU.
 """
 
 from __future__ import annotations
