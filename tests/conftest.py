@@ -37,10 +37,10 @@ def duplicate_module_names(folders: list[Path]) -> dict[str, list[Path]]:
 
 
 # Every folder first on sys.path, as one flat folder would be: a module imports a helper of
-# support/ (or another test module) by its plain name wherever either lives, and so do the rank
-# processes the tests spawn, which start with this sys.path and unpickle their functions by
-# module name. pytest imports test files the same way (its default "prepend" mode, no
-# __init__.py), so module names must be unique across the folders: checked below.
+# support/ by its plain name wherever it lives (never another test module: test_conventions.py),
+# and so do the rank processes the tests spawn, which start with this sys.path and unpickle
+# their functions by module name. pytest imports test files the same way (its default "prepend"
+# mode, no __init__.py), so module names must be unique across the folders: checked below.
 for _folder in reversed(module_folders()):
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))

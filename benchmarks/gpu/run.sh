@@ -17,9 +17,10 @@
 #           tests/ops/test_cuda_ops.py tests/ops/test_layout_ops.py tests/offload/test_offload.py
 #           tests/offload/test_host_accumulation.py tests/offload/test_forward_waits.py
 #           tests/in_backward/test_in_backward_lowp.py
-#           tests/device/test_cuda_ddp.py; then
+#           tests/device/test_cuda_ddp_parity.py tests/device/test_cuda_ddp_async.py; then
 #           compute-sanitizer memcheck, racecheck and synccheck, each over the op tests' CUDA
-#           cases (-k cuda) and test_cuda_ddp.py's in_backward parity cases; a run fails on
+#           cases (-k cuda) and the in_backward cases of the test_cuda_ddp_*.py files (not
+#           the no-host-synchronization ones); a run fails on
 #           "ERROR SUMMARY: N errors" with N > 0, on a failing test, on no summary, on a
 #           timeout. CI (tests/tools/test_gpu_suite.py) runs the same pytest arguments without
 #           a GPU: each case must skip cleanly
@@ -47,9 +48,10 @@
 # Expected on one H100 with 16 cores (estimates, not yet measured; the step table and pytest's
 # --durations record the real times):
 #   build  1-3 minutes, one architecture (skipped when nothing changed: not on a fresh machine)
-#   tests  pytest ~3-4 min: 28 process groups started (25 in test_cuda_ddp.py, ~5 s each for
-#          spawn, CUDA and NCCL start), ~1.5 min in their bodies (the 256 MiB embedding read
-#          the moment its copy back is queued, test_forward_waits.py, ~15 s of them), ~30 s
+#   tests  pytest ~3-4 min: 28 process groups started (25 in test_cuda_ddp_parity.py and
+#          test_cuda_ddp_async.py, ~5 s each for spawn, CUDA and NCCL start), ~1.5 min in their
+#          bodies (the 256 MiB embedding read the moment its copy back is queued,
+#          test_forward_waits.py, ~15 s of them), ~30 s
 #          for the op tests' ~100 CUDA cases; the three sanitizer runs share what is left of
 #          TESTS_BUDGET_S, counted from the start with the build (each capped at
 #          SANITIZER_MAX_S, at least SANITIZER_MIN_S, pytest capped so that three of those
@@ -72,13 +74,14 @@ SANITIZER_MAX_S=240  # one compute-sanitizer run at most
 SANITIZER_MIN_S=60   # one compute-sanitizer run at least (pytest is capped so that three fit)
 OPS_TESTS=(tests/ops/test_flatten.py tests/ops/test_optim_ops.py tests/ops/test_cuda_ops.py
   tests/ops/test_layout_ops.py)
-DDP_TESTS=tests/device/test_cuda_ddp.py
+# the wrapper's GPU tests: every case in them needs a GPU (-k "cuda" selects them by file name)
+DDP_TESTS=(tests/device/test_cuda_ddp_parity.py tests/device/test_cuda_ddp_async.py)
 # the tests part's pytest arguments: the cases of these files that need a GPU (their CPU cases
 # run in CI; tests/tools/test_gpu_suite.py runs these arguments there, where each must skip cleanly)
 GPU_CASES="cuda or gpu"
 PYTEST_ARGS=(-k "$GPU_CASES" "${OPS_TESTS[@]}" tests/offload/test_offload.py
   tests/offload/test_host_accumulation.py tests/offload/test_forward_waits.py
-  tests/in_backward/test_in_backward_lowp.py "$DDP_TESTS")
+  tests/in_backward/test_in_backward_lowp.py "${DDP_TESTS[@]}")
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 bad_usage() {
@@ -232,16 +235,19 @@ except Exception as e:
 }
 
 sanitize() {  # sanitize TOOL SECONDS: one compute-sanitizer run (runs without errexit)
-  local tool=$1 limit=$2 bin out status errors summaries selection
+  local tool=$1 limit=$2 bin out status errors summaries selection file
   local pre=(env) files=("${OPS_TESTS[@]}")
   if ! bin=$(find_sanitizer); then
     echo "compute-sanitizer not found (PATH, \$CUDA_HOME/bin, /usr/local/cuda/bin, nvcc's dir)"
     return 1
   fi
-  # (not the 4 GiB buffers past 2**31 elements: far too slow under the tools)
+  # (not the 4 GiB buffers past 2**31 elements: far too slow under the tools; -k matches a
+  # file's name too: test_cuda_ddp, every case of DDP_TESTS, the test_cuda_ddp_*.py files)
   selection="(cuda and not test_cuda_ddp and not past_2_31)"
-  if [ -f "$REPO/$DDP_TESTS" ]; then
-    files+=("$DDP_TESTS")
+  for file in "${DDP_TESTS[@]}"; do
+    if [ -f "$REPO/$file" ]; then files+=("$file"); fi
+  done
+  if [ "${#files[@]}" -gt "${#OPS_TESTS[@]}" ]; then
     # (the no-host-synchronization cases run the same kernels as the parity ones, 4 times over)
     selection="$selection or (test_cuda_ddp and in_backward and not synchronization)"
   fi

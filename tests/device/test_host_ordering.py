@@ -8,7 +8,8 @@ Their operations complete at once on the host, and are counted: each case assert
 ran, and trains against torch's DDP + the same torch optimizer in the same processes.
 
 What a seam cannot show (real concurrency between the host and a device, NCCL's own ordering,
-pinned memory, CUDA timing) is tests/device/test_cuda_ddp.py's, on a GPU.
+pinned memory, CUDA timing) is tests/device/test_cuda_ddp_parity.py's and
+test_cuda_ddp_async.py's, on a GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from ddp_models import Case, LockStep, Net, accumulate, assert_same
 from dist_harness import run_ranks
+from fault_models import nan_step
 from in_backward_models import (
     OPTIMIZERS,
     Deep,
@@ -29,7 +31,8 @@ from in_backward_models import (
     assert_params_close,
     train_lock_step,
 )
-from seam import counts_moved, host_ordered
+from seam import counts_moved, events_created, host_ordered
+from sparse_models import SparseCase, sparse_parity_case
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -115,13 +118,12 @@ def _end_of_backward(rank: int, world_size: int) -> None:
                 bucket_cap_mb=TINY, **kwargs,
             )
         )  # fmt: skip
-        reducer = run.ours.reducer
         created, peaks = [], []
         for step in range(ITERATIONS):
             run.step([torch.randn(6, 12)], legacy_calls=step % 2 == 1)
             stats = run.ours.memory_stats()
             assert stats["max_buckets_in_flight"] <= stats["num_buckets"], (name, step, stats)
-            created.append(reducer.events_created() + run.ours._optimizer_core.events_created())
+            created.append(events_created(run.ours))
             peaks.append(stats["peak_bucket_bytes"])
         assert_params_close(run, f"{name} after {ITERATIONS} steps")
         # (the first two iterations rebuild the buckets and create the optimizer state)
@@ -264,13 +266,11 @@ def test_offload_with_mixed_dtypes_through_the_device_staging_path() -> None:
 
 
 def _nan_check(rank: int, world_size: int) -> None:
-    from test_nan_check import _nan_step
-
     _C._testing.set_host_ordering(True)  # (torch's DDP beside ours is not affected)
     before = _C._testing.host_ordering_counts()
     cases = (("in_backward", True, 1), ("in_backward", "strict", 2), ("offload", True, 2))
     for config, check, accum in cases:
-        _nan_step(rank, world_size, config, check, accum)
+        nan_step(rank, world_size, config, check, accum)
     counts_moved(before, "NaN check", "records", "blocks")
 
 
@@ -283,10 +283,8 @@ def test_nan_check_flags_on_the_side_stream() -> None:
 
 
 def _sparse(rank: int, world_size: int) -> None:
-    from test_sparse import Case, _parity_case
-
     _C._testing.set_host_ordering(True)  # (torch's DDP beside ours is not affected)
-    _parity_case(rank, world_size, Case(comm_hook=True, accum=2))
+    sparse_parity_case(rank, world_size, SparseCase(comm_hook=True, accum=2))
 
 
 def test_sparse_bucket_with_a_comm_hook() -> None:

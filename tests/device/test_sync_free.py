@@ -1,12 +1,12 @@
 """The training loop's hot path asks the host to wait for nothing, checked on the CPU.
 
 On a GPU, `torch.cuda.set_sync_debug_mode("error")` catches host synchronizations
-(tests/device/test_cuda_ddp.py). On the CPU nothing synchronizes, so the operations that would
-are counted instead: a dispatch mode sees every tensor operation leanddp runs in the forward glue,
-the C++ gradient hooks, the launches, the in-backward steps and the end of backward, and records
-reads of a tensor's value on the host (`.item()`, `float(t)`: `aten::_local_scalar_dense`) and
-blocking cross-device copies (`.to(device)` without `non_blocking`, which from pageable memory
-waits for the device).
+(tests/device/test_cuda_ddp_async.py). On the CPU nothing synchronizes, so the operations that
+would are counted instead: a dispatch mode sees every tensor operation leanddp runs in the
+forward glue, the C++ gradient hooks, the launches, the in-backward steps and the end of
+backward, and records reads of a tensor's value on the host (`.item()`, `float(t)`:
+`aten::_local_scalar_dense`) and blocking cross-device copies (`.to(device)` without
+`non_blocking`, which from pageable memory waits for the device).
 """
 
 from __future__ import annotations

@@ -16,64 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from lowp_models import assert_within_ulps, lowp_pair, mean_square, ulp_tolerance
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import leanddp
-
 STEPS = 5
-ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 1e-6}
-
-
-def _model(dtype: torch.dtype, device: str) -> nn.Module:
-    torch.manual_seed(7)  # the same weights on both ranks and for both copies
-    return nn.Sequential(
-        nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 24), nn.Tanh(), nn.Linear(24, 4)
-    ).to(device, dtype)
-
-
-def _assert_close(
-    ours: nn.Module,
-    ref: nn.Module,
-    dtype: torch.dtype,
-    what: str,
-    ulps: int = 1,
-    bitwise: float = 0.99,
-) -> None:
-    same = total = 0
-    for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
-        assert p.dtype == dtype, f"{what}: {name} became {p.dtype}"
-        a, b = p.detach().float(), q.detach().float()
-        tol = ulps * ULP[dtype] * (b.abs() + 0.125)  # (near 0: an ulp of 1/8)
-        bad = (a - b).abs() > tol
-        assert not bad.any(), (
-            f"{what}: {name} differs by {(a - b).abs().max().item()} (> {ulps} ulp)"
-        )
-        same += int((p.detach() == q.detach()).sum())
-        total += p.numel()
-    assert same >= bitwise * total, f"{what}: only {same}/{total} elements bitwise equal to torch's"
-
-
-def _tolerance(device: str, name: str = "adamw") -> tuple[int, float]:
-    """(ulps, fraction bitwise equal) against torch's optimizer. On the CPU, Adam(W) rounds as
-    torch's fused kernel; its CUDA kernel forms the moments with other multiply-adds (its
-    compiler contracts them), so a few elements land an ulp apart and drift further."""
-    if name == "sgd":
-        return 2, 0.9
-    return (1, 0.99) if device == "cpu" else (2, 0.9)
-
-
-def _pair(dtype, device, factory, ref_factory, **kw):
-    ours = leanddp.DistributedDataParallel(
-        _model(dtype, device), optimizer_in_backward=factory, bucket_cap_mb=0.001, **kw
-    )
-    ref = TorchDDP(_model(dtype, device), bucket_cap_mb=0.001)
-    return ours, ref, ref_factory(ref.parameters())
-
-
-def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(x).float().pow(2).mean()
 
 
 def _parity(rank: int, dtype: torch.dtype, name: str, accum: int, device: str) -> None:
@@ -87,25 +33,25 @@ def _parity(rank: int, dtype: torch.dtype, name: str, accum: int, device: str) -
     # (d_p, the momentum buffer's mul_ and add_) to the dtype where the fused kernels round
     # once, so SGD is held to 2 ulps and 90% bitwise.
     impl = dict(foreach=True) if name == "sgd" else dict(fused=True)
-    ours, ref, ref_opt = _pair(
+    ours, ref, ref_opt = lowp_pair(
         dtype, device, functools.partial(cls, **kw), functools.partial(cls, **impl, **kw)
     )
-    ulps, bitwise = _tolerance(device, name)
+    ulps, bitwise = ulp_tolerance(device, name)
     what = f"{dtype} {name} accum={accum}"
     for step in range(STEPS):
         xs = [torch.randn(6, 16, dtype=dtype, device=device) for _ in range(accum)]
         for k, x in enumerate(xs):
             if k < accum - 1:
                 with ours.no_sync(), ref.no_sync():
-                    _loss(ours, x).backward()
-                    _loss(ref, x).backward()
+                    mean_square(ours, x).backward()
+                    mean_square(ref, x).backward()
             else:
-                _loss(ours, x).backward()
-                _loss(ref, x).backward()
+                mean_square(ours, x).backward()
+                mean_square(ref, x).backward()
         ref_opt.step()
         ref_opt.zero_grad()
         ours.optimizer.step()
-        _assert_close(ours.module, ref.module, dtype, f"{what} step {step}", ulps, bitwise)
+        assert_within_ulps(ours.module, ref.module, dtype, f"{what} step {step}", ulps, bitwise)
     # The fused kernels stepped every bucket (not the per-bucket Python fallback), with the
     # state in the parameters' dtype.
     assert ours._in_backward.fallback.calls == 0, f"{what}: the Python fallback stepped"
@@ -124,7 +70,7 @@ def _grad_scaler(rank: int, device: str) -> None:
     scaler_kw = dict(init_scale=2.0**40, backoff_factor=2.0**-16, growth_interval=2)
     ours_scaler = torch.amp.GradScaler(device, **scaler_kw)
     ref_scaler = torch.amp.GradScaler(device, **scaler_kw)
-    ours, ref, ref_opt = _pair(
+    ours, ref, ref_opt = lowp_pair(
         dtype,
         device,
         functools.partial(torch.optim.AdamW, **kw),
@@ -135,8 +81,8 @@ def _grad_scaler(rank: int, device: str) -> None:
     scales = []
     for step in range(8):
         x = torch.randn(6, 16, dtype=dtype, device=device)
-        ours_scaler.scale(_loss(ours, x)).backward()
-        ref_scaler.scale(_loss(ref, x)).backward()
+        ours_scaler.scale(mean_square(ours, x)).backward()
+        ref_scaler.scale(mean_square(ref, x)).backward()
         ref_scaler.step(ref_opt)
         ref_scaler.update()
         ref_opt.zero_grad()
@@ -149,8 +95,8 @@ def _grad_scaler(rank: int, device: str) -> None:
         if step == 0:
             for p, b in zip(ours.module.parameters(), before, strict=True):
                 assert p.equal(b), "an overflowing step changed a parameter"
-        _assert_close(
-            ours.module, ref.module, dtype, f"GradScaler step {step}", *_tolerance(device)
+        assert_within_ulps(
+            ours.module, ref.module, dtype, f"GradScaler step {step}", *ulp_tolerance(device)
         )
         for p, q in zip(ours.module.parameters(), ref.module.parameters(), strict=True):
             s, r = ours.optimizer.state[p], ref_opt.state[q]
@@ -173,7 +119,7 @@ class _Ops(TorchDispatchMode):
 
 def _tensor_lr(rank: int, device: str) -> None:
     dtype = torch.bfloat16
-    ours, ref, ref_opt = _pair(
+    ours, ref, ref_opt = lowp_pair(
         dtype,
         device,
         lambda params: torch.optim.AdamW(
@@ -189,7 +135,7 @@ def _tensor_lr(rank: int, device: str) -> None:
         x = torch.randn(6, 16, dtype=dtype, device=device)
         mode = _Ops()
         with mode:
-            _loss(ours, x).backward()
+            mean_square(ours, x).backward()
             ours.optimizer.step()
         assert "leanddp.adam_step_.default" in mode.names, (
             "the dispatch mode did not see the in-backward step (ops from the autograd thread)"
@@ -197,12 +143,14 @@ def _tensor_lr(rank: int, device: str) -> None:
         assert "aten._local_scalar_dense.default" not in mode.names, (
             "a training step read a tensor on the host (.item()/float())"
         )
-        _loss(ref, x).backward()
+        mean_square(ref, x).backward()
         ref_opt.step()
         ref_opt.zero_grad()
         ours_sched.step()
         ref_sched.step()
-        _assert_close(ours.module, ref.module, dtype, f"tensor lr step {step}", *_tolerance(device))
+        assert_within_ulps(
+            ours.module, ref.module, dtype, f"tensor lr step {step}", *ulp_tolerance(device)
+        )
     assert isinstance(ours.optimizer.param_groups[0]["lr"], torch.Tensor)
 
 

@@ -286,7 +286,8 @@ def _cuda(rank: int, world_size: int) -> None:
             run.step([torch.randn(BATCH, 12, device="cuda") for _ in range(accum)])
             assert_params_close(run, f"{what} step {step}")
         # The state is ordinary host memory; only the staging buffers that cross PCIe are
-        # pinned (what exactly is pinned: test_cuda_ddp.py::test_offload_pins_only_staging_buffers).
+        # pinned (what exactly is pinned:
+        # test_cuda_ddp_async.py::test_offload_pins_only_staging_buffers).
         for entry in run.ours.optimizer.state.values():
             for key, value in entry.items():
                 assert value.device.type == "cpu" and not value.is_pinned(), (what, key)

@@ -25,7 +25,7 @@ from in_backward_models import (
     scheduler,
     train_lock_step,
 )
-from test_in_backward_lowp import _assert_close, _loss, _pair, _tolerance
+from lowp_models import assert_within_ulps, lowp_pair, mean_square, ulp_tolerance
 
 import leanddp
 
@@ -137,18 +137,18 @@ def _bf16(rank: int, world_size: int) -> None:
     dtype = torch.bfloat16
     kw = dict(lr=1e-2, weight_decay=0.1)
     factory = functools.partial(torch.optim.AdamW, **kw)
-    ours, ref, ref_opt = _pair(
+    ours, ref, ref_opt = lowp_pair(
         dtype, "cpu", factory, functools.partial(torch.optim.AdamW, fused=True, **kw), **SHARD
     )
-    whole, _, _ = _pair(dtype, "cpu", factory, factory)
-    ulps, bitwise = _tolerance("cpu", "adamw")
+    whole, _, _ = lowp_pair(dtype, "cpu", factory, factory)
+    ulps, bitwise = ulp_tolerance("cpu", "adamw")
     for step in range(STEPS):
         x = torch.randn(6, 16, dtype=dtype)
         for model in (ours, ref, whole):
-            _loss(model, x).backward()
+            mean_square(model, x).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        _assert_close(ours.module, ref.module, dtype, f"bf16 step {step}", ulps, bitwise)
+        assert_within_ulps(ours.module, ref.module, dtype, f"bf16 step {step}", ulps, bitwise)
         pairs = zip(ours.module.named_parameters(), whole.module.parameters(), strict=True)
         for (name, a), b in pairs:
             assert torch.equal(a, b), f"bf16 step {step}: {name} differs from the unsharded step"
@@ -260,14 +260,14 @@ def _offload_bf16(rank: int, world_size: int) -> None:
     sharded one goes on bitwise as the unsharded one."""
     dtype = torch.bfloat16
     factory = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
-    ours, _, _ = _pair(dtype, "cpu", factory, factory, offload_to_cpu=True, **SHARD)
-    whole, _, _ = _pair(dtype, "cpu", factory, factory, offload_to_cpu=True)
+    ours, _, _ = lowp_pair(dtype, "cpu", factory, factory, offload_to_cpu=True, **SHARD)
+    whole, _, _ = lowp_pair(dtype, "cpu", factory, factory, offload_to_cpu=True)
 
     def train(models: tuple, steps: int) -> None:
         for step in range(steps):
             x = torch.randn(6, 16, dtype=dtype)
             for model in models:
-                _loss(model, x).backward()
+                mean_square(model, x).backward()
                 model.optimizer.step()
             pairs = zip(
                 models[0].module.named_parameters(), models[1].module.parameters(), strict=True
@@ -285,7 +285,8 @@ def _offload_bf16(rank: int, world_size: int) -> None:
     # The same checkpoint loaded into a fresh sharded and a fresh unsharded wrapper: they go on
     # bitwise equal (torch's load_state_dict casts state to the parameters' dtype for both).
     fresh = [
-        _pair(dtype, "cpu", factory, factory, offload_to_cpu=True, **kw)[0] for kw in (SHARD, {})
+        lowp_pair(dtype, "cpu", factory, factory, offload_to_cpu=True, **kw)[0]
+        for kw in (SHARD, {})
     ]
     for model in fresh:
         with torch.no_grad():

@@ -12,6 +12,8 @@ from torch import nn
 import leanddp
 
 D = 12
+#: rows of one micro-batch of Net's input
+BATCH = 6
 
 
 class Net(nn.Module):
@@ -111,6 +113,11 @@ def accumulate(ddp: nn.Module, batches: list[torch.Tensor]) -> None:
                 ddp(x).square().mean().backward()
         else:
             ddp(x).square().mean().backward()
+
+
+def net_inputs(n: int, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """``n`` random micro-batches of Net's input (BATCH x D) on ``device``."""
+    return [torch.randn(BATCH, D, device=device) for _ in range(n)]
 
 
 def assert_same(a: torch.Tensor | None, b: torch.Tensor | None, what: str, exact: bool) -> None:

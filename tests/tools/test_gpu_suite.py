@@ -86,7 +86,8 @@ def test_gpu_cases_skip_cleanly_without_a_gpu() -> None:
     assert listed.returncode == 0, listed.stderr
     args = listed.stdout.splitlines()
     files = [a for a in args if a.endswith(".py")]
-    assert "tests/device/test_cuda_ddp.py" in files, args
+    ddp_files = {"tests/device/test_cuda_ddp_parity.py", "tests/device/test_cuda_ddp_async.py"}
+    assert ddp_files <= set(files), args
     assert all((REPO / f).is_file() for f in files), args
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args],
