@@ -1,6 +1,7 @@
 // The Python module leanddp._C: the only file that knows pybind11. Importing it registers the
 // custom ops (torch.ops.leanddp.*) through the static registrations of the other files, and
 // binds the Reducer (whose methods release the GIL) and the Python side of communication hooks.
+#include "bindings.h"
 #include "fused_optim.h"
 #include "ops/cpu_kernels.h"
 #include "reducer.h"
@@ -421,6 +422,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "leanddp's C++/CUDA extension";
   bind_reducer(m);
   bind_step_window(m);
+  bind_modes(m);
   m.def("make_grad_bucket", &make_grad_bucket, py::arg("index"), py::arg("bucket_count"),
         py::arg("buffer"), py::arg("offsets"), py::arg("lengths"), py::arg("params"),
         "torch's dist.GradBucket over a bucket's buffer (what communication hooks receive).");
