@@ -17,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "leanddp's C++/CUDA extension";
   leanddp::bind_reducer(m);
   leanddp::bind_optimizer(m);
+  leanddp::bind_modes(m);  // (after bind_reducer: Modes holds its NanCheck)
   leanddp::bind_testing(m);
   m.attr("BUCKETS_IN_FLIGHT") = leanddp::kBucketsInFlight;
   m.def(

@@ -10,6 +10,9 @@ namespace leanddp {
 void bind_reducer(pybind11::module_& m);
 // bindings_optimizer.cpp: InBackwardOptimizer, its options, hyper-parameters and statistics.
 void bind_optimizer(pybind11::module_& m);
+// bindings_modes.cpp: leanddp._C.Modes, ModeError and check_modes. Called after
+// bind_reducer, which binds the NanCheck enum that Modes holds.
+void bind_modes(pybind11::module_& m);
 // bindings_testing.cpp: the test seams, in the submodule leanddp._C._testing.
 void bind_testing(pybind11::module_& m);
 

@@ -38,7 +38,6 @@ namespace leanddp {
 
 enum class OptimKind { kSgd, kAdam };
 
-
 // The one rule for one parameter's fused state: whether the kernels step it and, if they do,
 // what state they keep for it. FusedOptimizer follows it (can_step, buffer_keys, state_dtype)
 // and Python asks it (leanddp._C.state_spec: the checks before wrapping, optimizer.state's

@@ -19,6 +19,7 @@
 #pragma once
 
 #include "bucket.h"
+#include "modes.h"  // NanCheck
 
 #include <ATen/ATen.h>
 
@@ -27,11 +28,6 @@
 #include <vector>
 
 namespace leanddp {
-
-// check_for_nan_in_grad: off; on (raise at the end of backward; with optimizer_in_backward on the
-// device, buckets stepped before the bad one keep their update); strict (also defers the device's
-// in-backward steps to the end of backward, so a NaN changes no weight).
-enum class NanCheck { kOff = 0, kOn = 1, kStrict = 2 };
 
 class NonFiniteCheck {
  public:

@@ -40,18 +40,6 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     TORCH_CHECK(it != names_.end(), "Reducer: sparse_names names no trained parameter: ", name);
     sparse_[static_cast<size_t>(it - names_.begin())] = true;
   }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    TORCH_CHECK(!(options_.optimizer_in_backward && expects_sparse(i)),
-                "leanddp.DistributedDataParallel: parameter ", names_[i],
-                " gets sparse gradients, which optimizer_in_backward cannot step");
-  }
-  TORCH_CHECK(!options_.shard_optimizer_state || options_.optimizer_in_backward,
-              "leanddp.DistributedDataParallel: shard_optimizer_state needs optimizer_in_backward");
-  TORCH_CHECK(!options_.shard_optimizer_state || options_.nan_check == NanCheck::kOff,
-              "leanddp.DistributedDataParallel: check_for_nan_in_grad is not supported with "
-              "shard_optimizer_state");
-  TORCH_CHECK(!options_.accumulate_on_host || options_.optimizer_in_backward,
-              "leanddp.DistributedDataParallel: accumulate_on_host needs optimizer_in_backward");
   if (window_.device_ordered()) {
     const c10::Device device = params_.front().device();
     events_ = std::make_unique<EventPool>(device.type());
@@ -600,9 +588,6 @@ void Reducer::register_comm_hook(std::unique_ptr<CommHook> hook) {
               "leanddp.DistributedDataParallel: register_comm_hook may be called "
               "only once");
   check_before_first_backward("register_comm_hook may be called");
-  TORCH_CHECK(!options_.shard_optimizer_state,
-              "leanddp.DistributedDataParallel: register_comm_hook is not supported with "
-              "shard_optimizer_state (each bucket is reduce-scattered, not handed to a hook)");
   comm_hook_ = std::move(hook);
   // A hook's collective keeps its bucket past its release on a GPU (recycler.h).
   if (window_.device_ordered() && options_.optimizer_in_backward) {

@@ -157,8 +157,7 @@ class Reducer {
 
   // `params`: the trainable parameters, registration order, no duplicates, all on one device,
   // dense. `names` names them in errors. Allocates the buckets and installs the hooks; performs
-  // no collective. Raises, naming the parameter, if one expects sparse gradients and
-  // options.optimizer_in_backward is set.
+  // no collective. Which options combine is check_modes' (modes.h), asked before this.
   Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
           c10::intrusive_ptr<c10d::ProcessGroup> process_group, ReducerOptions options);
   // Removes the hooks. In-flight reductions keep their own references to the buckets.

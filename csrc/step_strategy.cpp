@@ -153,7 +153,7 @@ void HostSteps::relayout(const std::vector<Bucket>& old_buckets, const std::vect
 
 void HostSteps::set_grad_scaler(at::Tensor scale, at::Tensor found_inf) {
   (void)found_inf;
-  TORCH_CHECK(!scale.defined(), "set_grad_scaler: offload_to_cpu does not take a GradScaler");
+  TORCH_CHECK(!scale.defined(), "InBackwardOptimizer: host steps take no GradScaler (check_modes)");
 }
 
 int64_t HostSteps::generation() const {

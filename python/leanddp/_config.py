@@ -84,6 +84,10 @@ class DDPConfig:
     """Raise on every rank, at the end of backward, if a reduced gradient holds NaN or inf:
     True, or ``"strict"`` (with optimizer_in_backward on the device, the steps then wait for the
     end of backward, so a NaN changes no weight)."""
+    modes: Any = None
+    """The combination of modes the arguments asked for (a ``_C.Modes``), which
+    ``_C.check_modes`` accepted at construction; ``register_comm_hook`` asks it again with a
+    hook."""
 
     def reducer_options(self, param_names: Sequence[str]) -> Any:
         """The C++ Reducer's settings (``_C.ReducerOptions``) for the trainable parameters
@@ -98,9 +102,7 @@ class DDPConfig:
         options.static_graph = self.static_graph
         options.optimizer_in_backward = self.optimizer_in_backward is not None
         options.sparse_names = [name for name in param_names if name in set(self.sparse_names)]
-        options.nan_check = {False: _C.NanCheck.off, True: _C.NanCheck.on}.get(
-            self.check_for_nan_in_grad, _C.NanCheck.strict
-        )
+        options.nan_check = _nan_check(self.check_for_nan_in_grad)
         options.shard_optimizer_state = self.shard_optimizer_state
         options.accumulate_on_host = self.accumulate_on_host
         options.max_grad_norm = self.max_grad_norm
@@ -140,11 +142,6 @@ def _check_accumulate_on_host(kw: dict[str, Any]) -> bool:
     value = kw["accumulate_on_host"]
     if value is not None and not isinstance(value, bool):
         _fail(f"accumulate_on_host must be a bool or None, got {value!r}", TypeError)
-    if value and not kw["offload_to_cpu"]:
-        _fail(
-            "accumulate_on_host=True needs offload_to_cpu=True: the no_sync() micro-batches' "
-            "gradients are summed in host memory beside the offloaded optimizer state"
-        )
     return kw["offload_to_cpu"] if value is None else value
 
 
@@ -152,31 +149,15 @@ def _check_offload(kw: dict[str, Any]) -> tuple[bool, float | None, int]:
     offload, max_norm, threads = kw["offload_to_cpu"], kw["max_grad_norm"], kw["offload_threads"]
     if not isinstance(offload, bool):
         _fail(f"offload_to_cpu must be a bool, got {offload!r}", TypeError)
-    if offload and kw["optimizer_in_backward"] is None:
-        _fail(
-            "offload_to_cpu=True needs optimizer_in_backward=<optimizer factory>: the optimizer "
-            "state and master weights it moves to the host are stepped there as each bucket is "
-            "reduced, so the wrapper must own the optimizer (e.g. optimizer_in_backward="
-            "functools.partial(torch.optim.AdamW, lr=1e-3))"
-        )
     if max_norm is not None:
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
             _fail(f"max_grad_norm must be a number, got {max_norm!r}", TypeError)
         if not (math.isfinite(max_norm) and max_norm > 0):
             _fail(f"max_grad_norm must be positive and finite, got {max_norm!r}")
-        if not offload and not kw["shard_optimizer_state"]:
-            _fail(
-                "max_grad_norm needs optimizer_in_backward with offload_to_cpu=True or "
-                "shard_optimizer_state=True: stepping bucket by bucket on the device, a bucket "
-                "is stepped before the global gradient norm is known, so clipping could not be "
-                "exact. Without optimizer_in_backward, clip with "
-                "torch.nn.utils.clip_grad_norm_ before optimizer.step() as usual"
-            )
-    if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
-            _fail(f"offload_threads must be a positive int or None, got {threads!r}")
-        if not offload:
-            _fail("offload_threads is meaningful only with offload_to_cpu=True")
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0
+    ):
+        _fail(f"offload_threads must be a positive int or None, got {threads!r}")
     return (
         offload,
         None if max_norm is None else float(max_norm),
@@ -184,29 +165,42 @@ def _check_offload(kw: dict[str, Any]) -> tuple[bool, float | None, int]:
     )
 
 
-def _check_shard(kw: dict[str, Any]) -> bool:
-    shard = kw["shard_optimizer_state"]
-    if not isinstance(shard, bool):
-        _fail(f"shard_optimizer_state must be a bool, got {shard!r}", TypeError)
-    if not shard:
-        return False
-    if kw["optimizer_in_backward"] is None:
-        _fail(
-            "shard_optimizer_state=True needs optimizer_in_backward=<optimizer factory>: each "
-            "rank steps its shard of every bucket inside backward, so the wrapper must own the "
-            "optimizer (e.g. optimizer_in_backward=functools.partial(torch.optim.AdamW, lr=1e-3))"
-        )
-    if kw["check_for_nan_in_grad"]:
-        _fail(
-            "check_for_nan_in_grad is not supported with shard_optimizer_state=True (each rank "
-            "holds only its shard of the reduced gradients)"
-        )
-    if kw["grad_scaler"] is not None:
-        _fail(
-            "grad_scaler is not supported with shard_optimizer_state=True (an overflow seen in "
-            "one rank's shard would skip the step on that rank only)"
-        )
-    return True
+def _nan_check(value: bool | str) -> Any:
+    """``check_for_nan_in_grad`` (False, True or "strict") as a ``_C.NanCheck``."""
+    from ._extension import _C
+
+    return {False: _C.NanCheck.off, True: _C.NanCheck.on}.get(value, _C.NanCheck.strict)
+
+
+def _requested_modes(kw: dict[str, Any], sparse_names: Sequence[str]) -> Any:
+    """The combination of modes the arguments ``kw`` ask for (each argument of the right type),
+    with the module's parameters ``sparse_names`` that get sparse gradients: a ``_C.Modes``."""
+    from ._extension import _C
+
+    scaler = kw["grad_scaler"]
+    return _C.Modes(
+        optimizer_in_backward=kw["optimizer_in_backward"] is not None,
+        offload_to_cpu=kw["offload_to_cpu"],
+        shard_optimizer_state=kw["shard_optimizer_state"],
+        accumulate_on_host=kw["accumulate_on_host"] is True,
+        max_grad_norm=kw["max_grad_norm"] is not None,
+        offload_threads=kw["offload_threads"] is not None,
+        check_for_nan_in_grad=_nan_check(kw["check_for_nan_in_grad"]),
+        grad_scaler=scaler is not None,
+        grad_scaler_enabled=scaler is None or scaler.is_enabled(),
+        sparse_parameter=sparse_names[0] if sparse_names else "",
+    )
+
+
+def check_modes(modes: Any, cls: type[Exception] = ValueError) -> None:
+    """Raises ``cls`` with the message of the first rule of which modes combine that ``modes``
+    (a ``_C.Modes``) breaks: the rules are ``_C.check_modes``'s (csrc/modes.h), the one place
+    they are written."""
+    from ._extension import _C
+
+    error = _C.check_modes(modes)
+    if error is not None:
+        _fail(error.message, cls)
 
 
 def _fail(message: str, cls: type[Exception] = ValueError) -> None:
@@ -311,7 +305,8 @@ def sparse_gradient_names(module: nn.Module, ignored: Sequence[str]) -> tuple[st
 
 def check_arguments(module: Any, **kw: Any) -> DDPConfig:
     """Validates every constructor argument (raising a clear error naming it) and returns the
-    resulting configuration. Performs no collective and changes no state."""
+    resulting configuration. Performs no collective and changes no state. Each argument's own
+    type and range are checked first; then how the modes combine (``check_modes``)."""
     for name, default in _UNSUPPORTED.items():
         if kw[name] != default and kw[name] is not None:
             _fail(f"{name} is not supported", NotImplementedError)
@@ -321,17 +316,6 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
     scaler = kw["grad_scaler"]
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         _fail(f"grad_scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}", TypeError)
-    if scaler is not None and kw["optimizer_in_backward"] is None:
-        _fail(
-            "grad_scaler is for optimizer_in_backward (the in-backward steps unscale); without "
-            "it use GradScaler as with torch's DDP"
-        )
-    if nan_check and scaler is not None:
-        _fail(
-            "check_for_nan_in_grad and grad_scaler go separately: with a GradScaler, gradients "
-            "holding inf/NaN are expected (the scale overflowed) and their step is skipped, as "
-            "torch's GradScaler does; pass check_for_nan_in_grad=False"
-        )
     factory = kw["optimizer_in_backward"]
     if factory is not None and not callable(factory):
         _fail(
@@ -342,22 +326,21 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
         )
     offload, max_grad_norm, offload_threads = _check_offload(kw)
     accumulate_on_host = _check_accumulate_on_host(kw)
-    shard = _check_shard(kw)
-    for name in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "init_sync"):
+    for name in (
+        "shard_optimizer_state",
+        "find_unused_parameters",
+        "gradient_as_bucket_view",
+        "static_graph",
+        "init_sync",
+    ):
         if not isinstance(kw[name], bool):
             _fail(f"{name} must be a bool, got {kw[name]!r}", TypeError)
     caps = _caps(kw["bucket_cap_mb"], kw["bucket_cap_mb_list"])
     ignored = tuple(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
     device = _check_module(module, ignored)
     sparse_names = sparse_gradient_names(module, ignored)
-    if sparse_names and factory is not None:
-        _fail(
-            f"parameter {sparse_names[0]!r} gets sparse gradients (a module with sparse=True), "
-            "which optimizer_in_backward"
-            f"{' with offload_to_cpu' if offload else ''} cannot step: its fused and host "
-            "optimizers take dense gradients. Build the module with sparse=False, or train "
-            "without optimizer_in_backward (sparse gradients are then reduced as in torch's DDP)"
-        )
+    modes = _requested_modes(kw, sparse_names)
+    check_modes(modes)  # every argument is of the right type: now how they combine
     device_ids = kw["device_ids"]
     if device_ids is not None and len(device_ids) > 1:
         _fail(
@@ -412,7 +395,8 @@ def check_arguments(module: Any, **kw: Any) -> DDPConfig:
         accumulate_on_host=accumulate_on_host,
         check_for_nan_in_grad=nan_check,
         sparse_names=sparse_names,
-        shard_optimizer_state=shard,
+        shard_optimizer_state=kw["shard_optimizer_state"],
+        modes=modes,
     )
 
 

@@ -471,6 +471,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 "leanddp.DistributedDataParallel: register_comm_hook may be called only before "
                 "the first backward",
             )
+        modes = copy.copy(self._config.modes)
+        modes.comm_hook = True
+        error = _C.check_modes(modes)
+        if error is not None:
+            self._log_and_throw(RuntimeError, f"leanddp.DistributedDataParallel: {error.message}")
         self._attach_comm_hook(hook, state)
         self._comm_hooks.append((hook, state))
         self.logger._set_comm_hook_name(name)

@@ -1,13 +1,17 @@
-"""Which modes combine: docs/architecture.md's table, cell by cell. A "yes" trains two steps
-(with accumulation where the column is `no_sync()`) and the ranks end with equal, moved, finite
-weights; a "no" raises at construction (or at `register_comm_hook`) with an error naming the
-argument, before anything is built. Every pair of features the table allows in a mode works
-together too, except the one pair it names (NaN check and GradScaler)."""
+"""Which modes combine: docs/architecture.md's table, cell by cell. The rules are written once,
+in C++ (`leanddp._C.check_modes`, csrc/modes.h): the table must say what it says, cell by cell and
+pair by pair (fast, no process group). End to end, a "yes" trains two steps (with accumulation
+where the column is `no_sync()`) and the ranks end with equal, moved, finite weights; a "no"
+raises at construction (or at `register_comm_hook`) with an error naming the argument, before
+anything is built. Every pair of features the table allows in a mode works together too, except
+the one pair it names (NaN check and GradScaler)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import leanddp
+from leanddp._extension import _C
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
@@ -46,6 +51,27 @@ FEATURES: list[tuple[str, dict[str, Any], str]] = [
 ]
 #: arguments no mode combines, though each alone may be allowed
 NEVER_TOGETHER = {frozenset({"check_for_nan_in_grad", "grad_scaler"})}
+#: the rows and columns as `_C.Modes` fields (`no_sync()` is no mode: nothing to ask for)
+MODE_FIELDS: dict[str, dict[str, Any]] = {
+    "DDP": {},
+    "`optimizer_in_backward`": {"optimizer_in_backward": True},
+    "+ `offload_to_cpu`": {"optimizer_in_backward": True, "offload_to_cpu": True},
+    "+ `shard_optimizer_state`": {"optimizer_in_backward": True, "shard_optimizer_state": True},
+    "+ both": {
+        "optimizer_in_backward": True,
+        "offload_to_cpu": True,
+        "shard_optimizer_state": True,
+    },
+}
+FEATURE_FIELDS: dict[str, dict[str, Any]] = {
+    "`max_grad_norm`": {"max_grad_norm": True},
+    "`check_for_nan_in_grad`": {"check_for_nan_in_grad": _C.NanCheck.on},
+    '`"strict"`': {"check_for_nan_in_grad": _C.NanCheck.strict},
+    "`grad_scaler`": {"grad_scaler": True},
+    "comm hook": {"comm_hook": True},
+    "sparse gradients": {"sparse_parameter": "weight"},
+    "`no_sync()`": {},
+}
 
 
 def doc_table() -> dict[tuple[str, str], bool]:
@@ -63,6 +89,49 @@ def doc_table() -> dict[tuple[str, str], bool]:
             table[cells[0], name] = cell.startswith("yes")
     assert len(table) == len(MODES) * len(FEATURES)
     return table
+
+
+def _check_modes(mode: str, features: tuple[str, ...]) -> Any:
+    """`_C.check_modes` of the mode with `features`: None, or the rule it breaks."""
+    fields = dict(MODE_FIELDS[mode])
+    for name in features:
+        fields.update(FEATURE_FIELDS[name])
+    return _C.check_modes(_C.Modes(**fields))
+
+
+def test_the_one_source_of_the_rules_says_what_the_table_says() -> None:
+    table = doc_table()
+    assert list(MODE_FIELDS) == list(MODES) and list(FEATURE_FIELDS) == [n for n, _, _ in FEATURES]
+    words = {name: word for name, _, word in FEATURES}
+    for (mode, feature), allowed in table.items():
+        error = _check_modes(mode, (feature,))
+        assert (error is None) == allowed, (mode, feature, error)
+        if error is not None:
+            assert words[feature] in error.message and error.argument in error.message, error
+    for mode in MODES:
+        for a, b in itertools.combinations([n for n, _, _ in FEATURES], 2):
+            if words[a] == words[b]:
+                continue  # one argument's two values
+            together = {words[a], words[b]} not in NEVER_TOGETHER
+            allowed = table[mode, a] and table[mode, b] and together
+            assert (_check_modes(mode, (a, b)) is None) == allowed, (mode, a, b)
+
+
+def test_modes_hold_each_companion_rule() -> None:
+    """The rules outside the table: the companions of offload_to_cpu, and a disabled
+    GradScaler (which scales nothing) with offload_to_cpu. Modes pickle and copy (a pickled
+    wrapper keeps the modes it was built with)."""
+    offload = {"optimizer_in_backward": True, "offload_to_cpu": True}
+    for name in ("accumulate_on_host", "offload_threads"):
+        error = _C.check_modes(_C.Modes(optimizer_in_backward=True, **{name: True}))
+        assert error is not None and error.argument == name and "offload_to_cpu" in error.message
+        assert _C.check_modes(_C.Modes(**offload, **{name: True})) is None
+    scaler = {"grad_scaler": True, "grad_scaler_enabled": False}
+    assert _C.check_modes(_C.Modes(**offload, **scaler)) is None
+    assert _C.check_modes(_C.Modes(optimizer_in_backward=True)) is None
+    modes = _C.Modes(**offload, check_for_nan_in_grad=_C.NanCheck.strict, sparse_parameter="w")
+    assert pickle.loads(pickle.dumps(modes)) == modes == copy.copy(modes)
+    assert modes != _C.Modes(**offload)
 
 
 def _try(mode: str, features: tuple[str, ...]) -> str | None:

@@ -119,14 +119,11 @@ def check_fused(
 
 
 def check_scaler(scaler: Any, link: InBackward, names: Sequence[str]) -> None:
-    """Raises a clear error where the in-backward steps cannot apply ``scaler``."""
+    """Raises a clear error where the in-backward steps cannot apply ``scaler`` to this
+    optimizer's parameters. Which modes a scaler combines with (not offload_to_cpu, for one) is
+    ``_C.check_modes``'s rule, which the constructor's argument check applied before."""
     if not scaler.is_enabled():
         return
-    if link.offload:
-        fail(
-            "grad_scaler is not supported with offload_to_cpu (the host steps would have to "
-            "read the scale and found_inf from the device); use bfloat16, which needs no scaler"
-        )
     if link.kind is None:
         fail(
             "grad_scaler needs an optimizer leanddp's fused kernels step (torch.optim.SGD, "
