@@ -7,11 +7,16 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ._extension import _C
 
 #: torch's default bucket cap, in MiB.
 DEFAULT_BUCKET_CAP_MB = 25
@@ -85,7 +90,7 @@ class DDPConfig:
     True, or ``"strict"`` (with optimizer_in_backward on the device, the steps then wait for the
     end of backward, so a NaN changes no weight)."""
 
-    def reducer_options(self, param_names: Sequence[str]) -> Any:
+    def reducer_options(self, param_names: Sequence[str]) -> _C.ReducerOptions:
         """The C++ Reducer's settings (``_C.ReducerOptions``) for the trainable parameters
         ``param_names``: the one place each of this configuration's settings reaches it."""
         from ._extension import _C
@@ -99,9 +104,8 @@ class DDPConfig:
         options.step_in_backward = self.optimizer_in_backward is not None
         sparse = set(self.sparse_names)
         options.expect_sparse = [name in sparse for name in param_names]
-        options.nan_check = {False: _C.NanCheck.off, True: _C.NanCheck.on}.get(
-            self.check_for_nan_in_grad, _C.NanCheck.strict
-        )
+        nan_checks: dict[bool | str, _C.NanCheck] = {False: _C.NanCheck.off, True: _C.NanCheck.on}
+        options.nan_check = nan_checks.get(self.check_for_nan_in_grad, _C.NanCheck.strict)
         options.shard_optimizer_state = self.shard_optimizer_state
         options.offload_to_cpu = self.offload_to_cpu
         options.offload_threads = self.offload_threads
@@ -148,7 +152,8 @@ def _check_accumulate_on_host(kw: dict[str, Any]) -> bool:
             "accumulate_on_host=True needs offload_to_cpu=True: the no_sync() micro-batches' "
             "gradients are summed in host memory beside the offloaded optimizer state"
         )
-    return kw["offload_to_cpu"] if value is None else value
+    offload: bool = kw["offload_to_cpu"]  # (a bool: _check_offload ran first)
+    return offload if value is None else value
 
 
 def _check_offload(kw: dict[str, Any]) -> tuple[bool, float | None, int]:
@@ -212,11 +217,13 @@ def _check_shard(kw: dict[str, Any]) -> bool:
     return True
 
 
-def _fail(message: str, cls: type[Exception] = ValueError) -> None:
+def _fail(message: str, cls: type[Exception] = ValueError) -> NoReturn:
     raise cls(f"leanddp.DistributedDataParallel: {message}")
 
 
-def _resolve_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
+def _resolve_group(
+    process_group: dist.ProcessGroup | None, device_mesh: DeviceMesh | None
+) -> dist.ProcessGroup:
     if process_group is not None and device_mesh is not None:
         raise RuntimeError(
             "Cannot specify both process_group and device_mesh arguments. "
@@ -235,7 +242,11 @@ def _resolve_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
                 f"(leanddp.DistributedDataParallel: device_mesh has {device_mesh.ndim} dimensions.)"
             )
         return device_mesh.get_group()
-    return process_group if process_group is not None else dist.group.WORLD
+    if process_group is not None:
+        return process_group
+    world = dist.group.WORLD
+    assert world is not None  # (the default group is initialized: checked above)
+    return world
 
 
 def _caps(bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> tuple[int, ...]:
@@ -282,7 +293,7 @@ def _check_module(module: Any, ignored: Sequence[str]) -> torch.device:
             f"input module parameters locate in {sorted({d.type for d in devices})}."
         )
     if len(devices) > 1:
-        first = {}
+        first: dict[torch.device, str] = {}
         for n, p in trainable:
             first.setdefault(p.device, n)
         listed = ", ".join(f"{n!r} on {d}" for d, n in first.items())

@@ -13,7 +13,7 @@ a bucket, so a checkpoint loads at another world size or bucket size (DCP reads 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -25,15 +25,16 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 )
 
 if TYPE_CHECKING:
+    from ._extension import _C
     from .optim._link import InBackward
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     raise ValueError(f"leanddp.DistributedDataParallel: {message}")
 
 
 def sharded_state_dict(
-    reducer: Any,
+    reducer: _C.Reducer,
     group: dist.ProcessGroup,
     params: Sequence[torch.Tensor],
     names: Sequence[str],
@@ -85,7 +86,7 @@ def sharded_state_dict(
 
 
 def load_sharded_state_dict(
-    reducer: Any,
+    reducer: _C.Reducer,
     names: Sequence[str],
     link: InBackward | None,
     state_dict: dict[str, Any],

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from ._extension import _C
 
 
 class Waits:
@@ -39,7 +42,7 @@ class Waits:
     ``reducer`` (a ``_C.Reducer``) steps, in the Reducer's order. The hooks hold the Reducer
     weakly: once the wrapper and its Reducer are gone they do nothing."""
 
-    def __init__(self, module: nn.Module, trained: Sequence[Tensor], reducer: Any) -> None:
+    def __init__(self, module: nn.Module, trained: Sequence[Tensor], reducer: _C.Reducer) -> None:
         self._reducer = weakref.ref(reducer)
         self._module = module
         self._trained = list(trained)
@@ -56,8 +59,8 @@ class Waits:
             if not owned:
                 continue
             self._handles.append(sub.register_forward_pre_hook(self._owner_hook(owned)))
-            self._handles.append(sub.register_state_dict_pre_hook(self._before_state_dict))
-            self._handles.append(sub.register_load_state_dict_pre_hook(self._before_state_dict))
+            self._handles.append(sub.register_state_dict_pre_hook(self._before_state_dict))  # type: ignore[no-untyped-call]  # unannotated in torch
+            self._handles.append(sub.register_load_state_dict_pre_hook(self._before_state_dict))  # type: ignore[no-untyped-call]  # unannotated in torch
 
     def remove(self) -> None:
         """Removes the hooks (the wrapper built a new Reducer)."""
@@ -138,11 +141,11 @@ class ReadWaits(TorchFunctionMode):
 
     def __enter__(self) -> ReadWaits:
         self._waits.active = True
-        return super().__enter__()
+        return super().__enter__()  # type: ignore[no-untyped-call, no-any-return]  # unannotated in torch
 
     def __exit__(self, *exc: Any) -> None:
         self._waits.end()
-        super().__exit__(*exc)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]  # unannotated in torch
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +21,9 @@ from ._clipping import guard_clipping
 from ._facade import base_class, make_facade
 from ._fallback import FallbackStepper
 from ._state import StateView
+
+if TYPE_CHECKING:
+    from ..ddp import DistributedDataParallel
 
 
 def _lr(lr: Any, device: torch.device | None) -> float | Tensor:
@@ -70,7 +73,7 @@ class InBackward:
 
     def __init__(
         self,
-        ddp: nn.Module,
+        ddp: DistributedDataParallel,
         optimizer: torch.optim.Optimizer,
         group_of: list[int],
         params: list[nn.Parameter],
@@ -117,11 +120,12 @@ class InBackward:
         guard_clipping(params)
 
     @property
-    def reducer(self) -> Any:
+    def reducer(self) -> _C.Reducer | None:
+        """The wrapper's Reducer (None once the wrapper is gone)."""
         ddp = self._ddp()
         return None if ddp is None else ddp.reducer
 
-    def attach(self, reducer: Any) -> None:
+    def attach(self, reducer: _C.Reducer) -> None:
         """Hands the optimizer to a (new) Reducer; state already in ``optimizer.state`` moves
         into it."""
         setup = _C.OptimizerSetup()
@@ -155,17 +159,20 @@ class InBackward:
         self.loading = False  # a load_state_dict that raised changed nothing
         self.saved = {}
         if self.kind:
+            assert self.reducer is not None  # (called by the wrapper's forward)
             self.reducer.set_optimizer_groups(self._hypers())
         if self.scaler is not None:
             scaler = self.scaler
             if scaler._scale is None:  # what scaler.scale(loss) would do, a step earlier
                 scaler._lazy_init_scale_growth_tracker(self.device)
             scale = scaler._scale
+            assert scale is not None  # (made just above)
             if scale.device != self.device:
                 fail(f"grad_scaler's scale is on {scale.device}, the parameters on {self.device}")
             self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
+            assert self.reducer is not None  # (called by the wrapper's forward)
             self.reducer.set_grad_scaler(scale, self.found_inf)
-        self.optimizer._opt_called = True  # LR schedulers: the optimizer does step
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # undeclared in torch; LR schedulers: the optimizer does step
         if adopt:
             self.adopt_state()
 
@@ -173,6 +180,7 @@ class InBackward:
         """Adopts optimizer state code replaced since the last call, and points
         ``optimizer.state`` at the fused state (waits for the steps where it was created)."""
         if self.kind:
+            assert self.reducer is not None  # (called by the wrapper's forward)
             self.view.adopt(self.reducer)
         self.sync_state()
         if self.kind:
@@ -199,6 +207,7 @@ class InBackward:
     def gathered_state(self) -> dict[nn.Parameter, dict[str, Any]]:
         """shard_optimizer_state: every parameter's state in torch's format, gathered from
         every rank's shard (a collective: every rank calls it and gets the whole state)."""
+        assert self.reducer is not None  # (optimizer.state_dict() of a live wrapper's optimizer)
         entries = self.reducer.gathered_optimizer_state()
         return {p: dict(e) for p, e in zip(self.params, entries, strict=True) if e}
 
@@ -206,6 +215,7 @@ class InBackward:
         """Bytes of optimizer state (fused buffers and fallback state alike; this rank's
         shard of it with shard_optimizer_state)."""
         if self.sharded:
+            assert self.reducer is not None  # (called by the wrapper's memory_stats)
             return self.reducer.memory_stats().optimizer_state_bytes
         self.sync_state()
         seen: dict[tuple[str, int], int] = {}
