@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,7 @@ def _all_gather_bytes(data: bytes, device: torch.device, group: dist.ProcessGrou
     return [bytes(t[:n].tolist()) for t, n in zip(gathered, lengths, strict=True)]
 
 
-def _describe(entry: list) -> str:
+def _describe(entry: list[Any]) -> str:
     name, shape, dtype, sparse = entry
     return f"{name!r} {shape} {dtype} with {'sparse' if sparse else 'dense'} gradients"
 

@@ -31,7 +31,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from ._extension import _C
 
 
-def builtin_hook(kind: Any) -> Callable[[Any, dist.GradBucket], torch.futures.Future] | None:
+def builtin_hook(kind: Any) -> Callable[[Any, dist.GradBucket], torch.futures.Future[Any]] | None:
     """The hook of a ``dist.BuiltinCommHookType`` (its state is the process group), or None.
     torch's C++ built-ins divide by the world size and then allreduce (ALLREDUCE) or do the same
     in float16 and copy the result back (FP16_COMPRESS): what these Python hooks do."""
@@ -49,11 +49,11 @@ def _qualified_name(cls: type) -> str:
 
 
 def make_launcher(
-    hook: Callable[[Any, dist.GradBucket], torch.futures.Future],
+    hook: Callable[[Any, dist.GradBucket], torch.futures.Future[Any]],
     state: Any,
     params: Sequence[torch.nn.Parameter],
     names: Sequence[str],
-) -> Callable[[int, int, Tensor, list[int], list[int], list[int]], torch.futures.Future]:
+) -> Callable[[int, int, Tensor, list[int], list[int], list[int]], torch.futures.Future[Any]]:
     """The function the Reducer calls per bucket: the bucket's index, the number of buckets,
     its buffer, the indices into ``params`` of its parameters (``names`` names them) and their
     slices' offsets and lengths in the buffer (the Reducer's layout; empty for a sparse

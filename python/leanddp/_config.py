@@ -7,11 +7,16 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ._extension import _C
 
 #: torch's default bucket cap, in MiB.
 DEFAULT_BUCKET_CAP_MB = 25
@@ -89,7 +94,7 @@ class DDPConfig:
     ``_C.check_modes`` accepted at construction; ``register_comm_hook`` asks it again with a
     hook."""
 
-    def reducer_options(self, param_names: Sequence[str]) -> Any:
+    def reducer_options(self, param_names: Sequence[str]) -> _C.ReducerOptions:
         """The C++ Reducer's settings (``_C.ReducerOptions``) for the trainable parameters
         ``param_names``: the one place each of this configuration's settings reaches it."""
         from ._extension import _C
@@ -142,7 +147,8 @@ def _check_accumulate_on_host(kw: dict[str, Any]) -> bool:
     value = kw["accumulate_on_host"]
     if value is not None and not isinstance(value, bool):
         _fail(f"accumulate_on_host must be a bool or None, got {value!r}", TypeError)
-    return kw["offload_to_cpu"] if value is None else value
+    offload: bool = kw["offload_to_cpu"]  # (a bool: _check_offload ran first)
+    return offload if value is None else value
 
 
 def _check_offload(kw: dict[str, Any]) -> tuple[bool, float | None, int]:
@@ -165,11 +171,13 @@ def _check_offload(kw: dict[str, Any]) -> tuple[bool, float | None, int]:
     )
 
 
-def _nan_check(value: bool | str) -> Any:
+def _nan_check(value: bool | str) -> _C.NanCheck:
     """``check_for_nan_in_grad`` (False, True or "strict") as a ``_C.NanCheck``."""
     from ._extension import _C
 
-    return {False: _C.NanCheck.off, True: _C.NanCheck.on}.get(value, _C.NanCheck.strict)
+    if value == "strict":
+        return _C.NanCheck.strict
+    return _C.NanCheck.on if value else _C.NanCheck.off
 
 
 def _requested_modes(kw: dict[str, Any], sparse_names: Sequence[str]) -> Any:
@@ -203,11 +211,13 @@ def check_modes(modes: Any, cls: type[Exception] = ValueError) -> None:
         _fail(error.message, cls)
 
 
-def _fail(message: str, cls: type[Exception] = ValueError) -> None:
+def _fail(message: str, cls: type[Exception] = ValueError) -> NoReturn:
     raise cls(f"leanddp.DistributedDataParallel: {message}")
 
 
-def _resolve_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
+def _resolve_group(
+    process_group: dist.ProcessGroup | None, device_mesh: DeviceMesh | None
+) -> dist.ProcessGroup:
     if process_group is not None and device_mesh is not None:
         raise RuntimeError(
             "Cannot specify both process_group and device_mesh arguments. "
@@ -226,7 +236,11 @@ def _resolve_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
                 f"(leanddp.DistributedDataParallel: device_mesh has {device_mesh.ndim} dimensions.)"
             )
         return device_mesh.get_group()
-    return process_group if process_group is not None else dist.group.WORLD
+    if process_group is not None:
+        return process_group
+    world = dist.group.WORLD
+    assert world is not None  # (the default group is initialized: checked above)
+    return world
 
 
 def _caps(bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> tuple[int, ...]:
@@ -273,7 +287,7 @@ def _check_module(module: Any, ignored: Sequence[str]) -> torch.device:
             f"input module parameters locate in {sorted({d.type for d in devices})}."
         )
     if len(devices) > 1:
-        first = {}
+        first: dict[torch.device, str] = {}
         for n, p in trainable:
             first.setdefault(p.device, n)
         listed = ", ".join(f"{n!r} on {d}" for d, n in first.items())

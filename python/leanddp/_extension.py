@@ -6,7 +6,8 @@ There is no pure-Python fallback: a missing or mismatched extension is an instal
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,7 +19,7 @@ _REBUILD = (
 )
 
 
-def _load() -> Any:
+def _load() -> ModuleType:
     try:
         module = importlib.import_module("leanddp._C")
     except ModuleNotFoundError as exc:
@@ -49,7 +50,10 @@ def _load() -> Any:
     return module
 
 
-_C = _load()
+if TYPE_CHECKING:  # the module _load() returns, as its stub _C.pyi describes it
+    from . import _C as _C
+else:
+    _C = _load()
 
 
 def build_info() -> dict[str, Any]:

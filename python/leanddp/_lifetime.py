@@ -9,16 +9,19 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from ._extension import _C
 
 
-def close_at_end(ddp: Any, reducer: Any) -> None:
+def close_at_end(ddp: Any, reducer: _C.Reducer) -> None:
     """Closes ``reducer`` (``ddp``'s) when ``ddp`` is collected or, at the latest, at interpreter
     exit (``weakref.finalize`` is an atexit hook too): see ``_close``."""
     weakref.finalize(ddp, _close, reducer, weakref.ref(ddp))
 
 
-def _close(reducer: Any, wrapper: weakref.ref) -> None:
+def _close(reducer: _C.Reducer, wrapper: weakref.ref[Any]) -> None:
     """A wrapper's end, when it is collected or at the latest at interpreter exit: the Reducer
     stops its offload worker and lets go of the process group, its in-flight works and its
     Python hook and stepper, while every thread can still take the GIL. A wrapper still alive at
@@ -44,7 +47,7 @@ def leave() -> NoReturn:
     # As a normal exit: threading's own exit callbacks (they tell a concurrent.futures pool's
     # workers to finish), then the wait for non-daemon threads; joining those threads without
     # the callbacks first waits forever on an idle pool's workers (inductor's compile pool).
-    threading._shutdown()
+    threading._shutdown()  # type: ignore[attr-defined]  # private: not in typeshed's threading
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

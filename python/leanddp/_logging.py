@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from ._config import DDPConfig
+    from ._extension import _C
 
 #: torch's kDDPRuntimeLoggingSampleRate.
 DEFAULT_SAMPLE_RATE = 100
@@ -50,13 +51,13 @@ C10_DTYPE_NAMES = {
     torch.bfloat16: "c10::BFloat16",
 }
 
-_COMMON_ENV = {
+_COMMON_ENV: dict[str, tuple[str, ...]] = {
     "master_port": ("MASTER_PORT",),
     "master_addr": ("MASTER_ADDR",),
     "torch_distributed_debug": ("TORCH_DISTRIBUTED_DEBUG",),
     "cuda_visible_devices": ("CUDA_VISIBLE_DEVICES",),
 }
-_BACKEND_ENV = {
+_BACKEND_ENV: dict[str, dict[str, tuple[str, ...]]] = {
     "nccl": {
         "nccl_socket_ifname": ("NCCL_SOCKET_IFNAME",),
         "nccl_blocking_wait": ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"),
@@ -76,7 +77,7 @@ _BACKEND_ENV = {
 #: ProcessGroupGloo's default number of threads (what torch logs when it cannot ask).
 _GLOO_DEFAULT_THREADS = 2
 
-_RUNTIME_KEYS = (
+_RUNTIME_KEYS: Final = (
     "forward_compute_time",
     "backward_compute_time",
     "backward_comm_time",
@@ -100,7 +101,7 @@ def _env(names: tuple[str, ...]) -> str:
 
 def _gloo_threads(group: dist.ProcessGroup) -> int:
     try:
-        return int(group._get_backend(torch.device("cpu")).options._threads)
+        return int(group._get_backend(torch.device("cpu")).options._threads)  # type: ignore[attr-defined]  # gloo's Options; torch types the base class
     except Exception:  # not exposed by this torch: torch's default
         return _GLOO_DEFAULT_THREADS
 
@@ -122,7 +123,8 @@ class DDPLogger:
         """torch's reducer ``ddp_graph_static_``: no change seen in the set of unused
         parameters from one iteration to the next."""
         self._prev_unused: list[int] = []
-        self._reducer: Any = None  # attach(): the Reducer whose data and errors are read
+        # attach(): the Reducer whose data and errors are read
+        self._reducer: _C.Reducer | None = None
         self._params: Sequence[Tensor] = ()  # attach(): its parameters, in its order
 
     def __getstate__(self) -> dict[str, Any]:
@@ -137,7 +139,7 @@ class DDPLogger:
         if self.data:
             self._log_if_graph_static(self._graph_static)
 
-    def attach(self, reducer: Any, params: Sequence[Tensor]) -> None:
+    def attach(self, reducer: _C.Reducer, params: Sequence[Tensor]) -> None:
         """Reads ``reducer`` (a ``_C.Reducer`` over ``params``, in its order) from now on: its
         buckets, timings, unused parameters and failed usage checks; called whenever the
         wrapper builds its Reducer."""
@@ -152,6 +154,7 @@ class DDPLogger:
         first sampled iteration."""
         params = self._params
         group = config.process_group
+        assert group is not None and self._reducer is not None  # (at construction, attached)
         backend = group.name()
         d = self.data
         d.update(
@@ -196,6 +199,7 @@ class DDPLogger:
         if self._sampled(self.num_iterations):
             self._log_runtime()
         self.num_iterations += 1
+        assert self._reducer is not None  # (attached: the wrapper's forward)
         self._reducer.time_iteration(self._sampled(self.num_iterations))
 
     def after_search(self) -> None:
@@ -205,6 +209,7 @@ class DDPLogger:
         ``can_set_static_graph`` = 0 (once per process)."""
         if not self._graph_static:
             return
+        assert self._reducer is not None  # (attached: the wrapper's forward)
         unused = self._reducer.unused_parameters()
         if self.num_iterations > 1 and unused != self._prev_unused:
             self._graph_static = False
@@ -223,6 +228,7 @@ class DDPLogger:
         self._stats_recorded += 1
         d["iteration"] = self.num_iterations
         reducer, params = self._reducer, self._params
+        assert reducer is not None  # (attached: the wrapper's forward)
         times = reducer.collect_times()
         # torch's: the parameters found unused by the last synchronized forward (its reducer's
         # unused_parameters_), summed afresh at each sampled iteration

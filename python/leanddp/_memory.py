@@ -152,15 +152,15 @@ class Estimate:
     once its buckets are full."""
 
     mode: Mode
-    bytes: dict[str, int]
+    bytes: dict[str, float]  # (whole numbers; a float where a shard's share is divided)
     transient: int
 
     @property
-    def device(self) -> int:
+    def device(self) -> float:
         return sum(self.bytes[c] for c in DEVICE_CATEGORIES)
 
     @property
-    def host(self) -> int:
+    def host(self) -> float:
         return sum(self.bytes[c] for c in HOST_CATEGORIES)
 
 
@@ -204,7 +204,7 @@ def estimate(
     largest = max((b for b, _ in buckets), default=0)
     held = sum(b * n for b, n in buckets) if buckets else shape.numel * p  # every bucket
     counters = STEP_COUNTER_BYTES[optimizer] * shape.tensors
-    out = dict.fromkeys(DEVICE_CATEGORIES + HOST_CATEGORIES, 0)
+    out: dict[str, float] = dict.fromkeys(DEVICE_CATEGORIES + HOST_CATEGORIES, 0)
     out["parameters"] = shape.numel * p
     transient = 0
     if mode.wrapper == "torch":
@@ -222,8 +222,9 @@ def estimate(
         and not (clip and mode.shard and not mode.offload)
     )
     if releases:
-        out["buckets"] = min(held, in_flight_buckets(mode, device_ordered) * largest)
-        transient += out["buckets"]
+        released = min(held, in_flight_buckets(mode, device_ordered) * largest)
+        out["buckets"] = released
+        transient += released
     else:
         out["buckets"] = held
     # the elements whose state this rank keeps: all, or its shard of every padded bucket

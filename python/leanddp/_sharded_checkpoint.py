@@ -13,7 +13,7 @@ a bucket, so a checkpoint loads at another world size or bucket size (DCP reads 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .optim._link import InBackward
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     raise ValueError(f"leanddp.DistributedDataParallel: {message}")
 
 
@@ -43,7 +43,7 @@ def sharded_state_dict(
     ``link`` is the wrapper's in-backward optimizer over ``params`` (named ``names``) on
     ``group`` (its C++ state, its state rule and param groups)."""
     core = link.core if link is not None else None
-    if core is None or not link.sharded:
+    if link is None or core is None or not link.sharded:
         _fail("sharded_optimizer_state_dict() needs shard_optimizer_state=True")
     ranks = dist.get_process_group_ranks(group)
     placement = core.shard_placement()
@@ -93,7 +93,7 @@ def load_sharded_state_dict(
     ``link``, whose pieces it loaded in place): sets the step counts and the hyper-parameters
     of ``link``'s param groups. Raises naming the entry if ``state_dict`` is not such a dict."""
     core = link.core if link is not None else None
-    if core is None or not link.sharded:
+    if link is None or core is None or not link.sharded:
         _fail("load_sharded_optimizer_state_dict() needs shard_optimizer_state=True")
     state = state_dict.get("state")
     groups = state_dict.get("param_groups")

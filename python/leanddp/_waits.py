@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from ._extension import _C
 
 
 class Waits:
@@ -41,7 +44,7 @@ class Waits:
     gone they do nothing."""
 
     def __init__(
-        self, module: nn.Module, trained: Sequence[Tensor], reducer: Any, core: Any
+        self, module: nn.Module, trained: Sequence[Tensor], reducer: _C.Reducer, core: Any
     ) -> None:
         self._reducer = weakref.ref(reducer)
         self._core = weakref.ref(core)
@@ -60,8 +63,8 @@ class Waits:
             if not owned:
                 continue
             self._handles.append(sub.register_forward_pre_hook(self._owner_hook(owned)))
-            self._handles.append(sub.register_state_dict_pre_hook(self._before_state_dict))
-            self._handles.append(sub.register_load_state_dict_pre_hook(self._before_state_dict))
+            self._handles.append(sub.register_state_dict_pre_hook(self._before_state_dict))  # type: ignore[no-untyped-call]  # unannotated in torch
+            self._handles.append(sub.register_load_state_dict_pre_hook(self._before_state_dict))  # type: ignore[no-untyped-call]  # unannotated in torch
 
     def remove(self) -> None:
         """Removes the hooks (the wrapper built a new Reducer)."""
@@ -142,11 +145,11 @@ class ReadWaits(TorchFunctionMode):
 
     def __enter__(self) -> ReadWaits:
         self._waits.active = True
-        return super().__enter__()
+        return super().__enter__()  # type: ignore[no-untyped-call, no-any-return]  # unannotated in torch
 
     def __exit__(self, *exc: Any) -> None:
         self._waits.end()
-        super().__exit__(*exc)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]  # unannotated in torch
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -6,7 +6,7 @@ import copy
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -108,6 +108,14 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             all-gathered inside backward.
     """
 
+    # torch's DDP types these as its own C++ Reducer and Logger, which this wrapper never builds
+    reducer: _C.Reducer  # type: ignore[assignment]
+    logger: DDPLogger  # type: ignore[assignment]
+
+    if TYPE_CHECKING:  # torch's DDP method, unannotated there: logs the error, then raises it
+
+        def _log_and_throw(self, err_type: type[Exception], err_msg: str) -> NoReturn: ...
+
     def __init__(
         self,
         module: nn.Module,
@@ -175,10 +183,12 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._set_config(config)
         if device_mesh is not None:
             self.device_mesh = device_mesh  # torch's attribute
+        assert config.process_group is not None  # (check_arguments resolved it)
         self.process_group = config.process_group
         self.optimizer: torch.optim.Optimizer | None = None
         self._in_backward: optim.InBackward | None = None
-        self._optimizer_core: Any = None  # (_build_reducer; optimizer_in_backward only)
+        # (_build_reducer; optimizer_in_backward only)
+        self._optimizer_core: _C.InBackwardOptimizer | None = None
         if config.optimizer_in_backward is not None:
             named = self._named_trainable
             optimizer, group_of = optim.build_optimizer(config.optimizer_in_backward, module, named)
@@ -206,7 +216,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 self._named_trainable[0][1].device,
                 set(config.sparse_names),
             )
-            state = [
+            state: list[Tensor] = [
                 p for name, p in module.named_parameters() if name not in self.parameters_to_ignore
             ]
             if config.init_sync_buffers:
@@ -238,8 +248,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.parameters_to_ignore = set(config.ignored_names)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self._join_config = _JoinConfig.construct_disabled_join_config()
-        self._comm_hooks: list[tuple[Callable, Any]] = []
+        self._join_config = _JoinConfig.construct_disabled_join_config()  # type: ignore[no-untyped-call]  # unannotated in torch
+        self._comm_hooks: list[tuple[Callable[..., Any], Any]] = []
         self._warned_replaced_grads = False
         self.logger = DDPLogger()  # torch's _get_ddp_logging_data (dist.Logger's role)
 
@@ -253,7 +263,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.forward_sync_buffers = bool(value)
 
     @property
-    def _has_rebuilt_buckets(self) -> bool:
+    def _has_rebuilt_buckets(self) -> bool:  # type: ignore[override]  # an attribute in torch's DDP
         """torch's attribute: whether the buckets were rebuilt from the observed order."""
         return self.reducer.has_rebuilt_buckets()
 
@@ -266,7 +276,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         ]
 
     @property
-    def modules_buffers(self) -> list[Tensor]:
+    def modules_buffers(self) -> list[Tensor]:  # type: ignore[override]  # an attribute in torch's DDP
         """The module's buffers that are synchronized (torch's attribute of the same name)."""
         return [
             b for name, b in self.module.named_buffers() if name not in self.parameters_to_ignore
@@ -292,7 +302,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             )
             if getattr(self, "_waits", None) is not None:
                 self._waits.remove()
-            self._waits = _waits.Waits(
+            self._waits: _waits.Waits = _waits.Waits(
                 self.module, self._params, self.reducer, self._optimizer_core
             )
         for hook, state in self._comm_hooks:
@@ -324,19 +334,18 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     # The wrapper's bookkeeping around the module's forward: not traced by torch.compile (it
     # calls into the C++ Reducer and handles errors), so that the module's forward between is.
-    @torch.compiler.disable
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # unannotated in torch
     def _before_module(self, grad_enabled: bool, compiling: bool) -> _waits.ReadWaits | None:
         if self._join_config.enable:  # inside an enabled Join context: "not joined yet"
             Join.notify_join_context(self)
         # Last step's weights are in place; offload_to_cpu: host steps still pending are waited
         # for as the module reads them (self._waits.begin below).
-        self._step_error = None
+        self._step_error: Exception | None = None
         # (the buckets not pending were stepped: the current stream is ordered after their
         # copies back here, which may still run on a GPU)
-        in_backward = self._in_backward is not None
-        core = self._optimizer_core if in_backward else None
-        pending = core.pending_steps(follow_copies=True) if in_backward else []
-        if in_backward and not pending:
+        core = self._optimizer_core  # (None without optimizer_in_backward)
+        pending = core.pending_steps(follow_copies=True) if core is not None else []
+        if core is not None and not pending:
             self._wait_for_steps(core.follow_steps)
         if grad_enabled:
             try:
@@ -364,16 +373,20 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         end of the forward (``_after_module``), where one met while the forward waited bucket by
         bucket is: at the same point on every rank, whichever way each one waited, so that no
         rank is left alone in a collective of the forward."""
+        core = self._optimizer_core
+        assert core is not None  # (optimizer_in_backward)
         try:
-            (wait or self._optimizer_core.wait_for_steps)()
+            (wait or core.wait_for_steps)()
         except Exception as e:  # noqa: BLE001 (re-raised by _after_module)
             self._step_error = e
 
-    @torch.compiler.disable
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # unannotated in torch
     def _after_module(self, grad_enabled: bool, output: Any, waited_per_bucket: bool) -> None:
         if waited_per_bucket:
+            assert self._optimizer_core is not None  # (only optimizer_in_backward waits per bucket)
             self._optimizer_core.wait_for_steps()  # what the forward did not read (or an error)
             if grad_enabled:
+                assert self._in_backward is not None  # (only offload_to_cpu waits per bucket)
                 self._in_backward.adopt_state()
         error, self._step_error = self._step_error, None  # (set by _before_module)
         if error is not None:
@@ -381,7 +394,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if grad_enabled and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             track = self.find_unused_parameters and not self.static_graph
-            self.reducer.prepare_for_backward(list(_find_tensors(output)) if track else [])
+            self.reducer.prepare_for_backward(list(_find_tensors(output)) if track else [])  # type: ignore[no-untyped-call]  # unannotated in torch
             if track:
                 self.logger.after_search()
         else:
@@ -430,7 +443,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     # ----------------------------------------------------------------------------------------
     # what code written for torch's DDP calls
 
-    def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future]) -> None:
+    def register_comm_hook(
+        self, state: object, hook: Callable[..., torch.futures.Future[Any]]
+    ) -> None:
         """Replaces the built-in allreduce with ``hook(state, bucket) -> Future`` (torch's
         contract: ``bucket`` is a ``torch.distributed.GradBucket``; torch's own hooks such as
         allreduce, fp16/bf16 compression and PowerSGD work). The hook is checked as torch's DDP
@@ -442,7 +457,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             state: passed to every call of ``hook``.
             hook: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``.
         """
-        self._check_comm_hook(hook)
+        self._check_comm_hook(hook)  # type: ignore[no-untyped-call]  # unannotated in torch
         self._register_hook(hook, state, getattr(hook, "__qualname__", repr(hook)))
 
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
@@ -458,7 +473,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             )
         self._register_hook(hook, self.process_group, str(comm_hook_type))
 
-    def _register_hook(self, hook: Callable, state: object, name: str) -> None:
+    def _register_hook(self, hook: Callable[..., Any], state: object, name: str) -> None:
         if self._comm_hooks:
             self._log_and_throw(
                 RuntimeError,
@@ -480,7 +495,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._comm_hooks.append((hook, state))
         self.logger._set_comm_hook_name(name)
 
-    def _attach_comm_hook(self, hook: Callable, state: object) -> None:
+    def _attach_comm_hook(self, hook: Callable[..., Any], state: object) -> None:
         self.reducer.register_comm_hook(
             _comm.make_launcher(hook, state, self._params, self._param_names)
         )
@@ -568,7 +583,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         numel = max(1, sum(p.numel() for p in self._params))
         state = self._in_backward.state_bytes() if self._in_backward else 0
         offload = self._config.offload_to_cpu
-        opt = self._optimizer_core.memory_stats() if self._in_backward else None
+        core = self._optimizer_core
+        opt = core.memory_stats() if core is not None else None
         masters = opt.host_master_bytes if opt else 0
         staging = opt.host_buffer_bytes if opt else 0
         pinned = s.host_pinned_bytes + (opt.host_pinned_bytes if opt else 0)
@@ -617,7 +633,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         (what ``clip_grad_norm_`` returns; -1 without ``max_grad_norm``). Zeros without
         offload_to_cpu."""
         keys = ("iterations", "buckets", "step_seconds", "wait_seconds", "grad_norm")
-        if self._in_backward is None:
+        if self._optimizer_core is None:
             return {key: -1.0 if key == "grad_norm" else 0 for key in keys}
         s = self._optimizer_core.stats()
         return {key: getattr(s, key) for key in keys}
@@ -657,7 +673,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         and forwards, ``state_dict()`` of the wrapped modules and ``self.optimizer``'s state wait
         by themselves; on a GPU the end of backward orders the stream that called it. Call it
         before reading parameters any other way between a backward and the next forward."""
-        if self._in_backward is not None:
+        if self._optimizer_core is not None:
             self._optimizer_core.wait_for_steps(host_too=self._config.offload_to_cpu)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
@@ -701,13 +717,15 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        nn.Module.__setstate__(self, state)
+        nn.Module.__setstate__(self, state)  # type: ignore[no-untyped-call]  # unannotated in torch
         self.process_group = dist.distributed_c10d._get_default_group()
         self._config = self._config.with_group(self.process_group)
         self._build_reducer()
 
 
-def _move_to(inputs: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
+def _move_to(
+    inputs: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     def move(obj: Any) -> Any:
         if isinstance(obj, Tensor):
             return obj.to(device, non_blocking=True)

@@ -223,21 +223,34 @@ def sgd_step_(
 
 # Fake implementations: every op mutates its arguments in place and returns nothing, so under
 # FakeTensor there is no output to describe.
-@torch.library.register_fake("leanddp::flatten_into")
-def _flatten_into_fake(tensors, out, scale=None):
+@torch.library.register_fake("leanddp::flatten_into")  # type: ignore[untyped-decorator]  # unannotated in torch
+def _flatten_into_fake(tensors: list[Tensor], out: Tensor, scale: float | None = None) -> None:
     return None
 
 
-@torch.library.register_fake("leanddp::unflatten_from")
-def _unflatten_from_fake(flat, tensors, scale=None):
+@torch.library.register_fake("leanddp::unflatten_from")  # type: ignore[untyped-decorator]  # unannotated in torch
+def _unflatten_from_fake(flat: Tensor, tensors: list[Tensor], scale: float | None = None) -> None:
     return None
 
 
-@torch.library.register_fake("leanddp::adam_step_")
-def _adam_step_fake(params, grads, exp_avg, exp_avg_sq, param_copy, **kwargs):
+@torch.library.register_fake("leanddp::adam_step_")  # type: ignore[untyped-decorator]  # unannotated in torch
+def _adam_step_fake(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avg: list[Tensor],
+    exp_avg_sq: list[Tensor],
+    param_copy: list[Tensor],
+    **kwargs: Any,
+) -> None:
     return None
 
 
-@torch.library.register_fake("leanddp::sgd_step_")
-def _sgd_step_fake(params, grads, momentum_buffer, param_copy, **kwargs):
+@torch.library.register_fake("leanddp::sgd_step_")  # type: ignore[untyped-decorator]  # unannotated in torch
+def _sgd_step_fake(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffer: list[Tensor],
+    param_copy: list[Tensor],
+    **kwargs: Any,
+) -> None:
     return None

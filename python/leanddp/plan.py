@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from . import _memory
 from ._config import _caps
@@ -59,7 +59,7 @@ def shape_of(
             raise ValueError(f"model: a parameter count must be positive, got {model}")
         size = torch.empty((), dtype=dtype or torch.float32).element_size()
         return _memory.Shape.filled(model, size, 1, caps[-1])
-    params = [p for p in model.parameters() if p.requires_grad]
+    params: list[Tensor] = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameters")
     if dtype is not None:
@@ -257,7 +257,8 @@ def _model_from(spec: str) -> nn.Module:
                 )
             return TinyGPT(SIZES[spec])
         module, _, attr = spec.partition(":")
-        return getattr(importlib.import_module(module), attr)()
+        built: nn.Module = getattr(importlib.import_module(module), attr)()
+        return built
 
 
 def parser() -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ micro-batch (the memory model's, leanddp._memory.pcie_bytes)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from leanddp import _memory
 
@@ -18,7 +19,7 @@ OFFLOAD = "leanddp + offload_to_cpu"
 ELEMENT_SIZE = {"fp32": 4, "bf16": 2}
 
 
-def _without(run: dict, runs: list[dict]) -> dict | None:
+def _without(run: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The run of the same configuration (offload_to_cpu's, for its device-accumulating twin)
     without accumulation, at the same world size."""
     name = OFFLOAD if run["config"] == DEVICE_ACCUMULATION else run["config"]
@@ -28,7 +29,11 @@ def _without(run: dict, runs: list[dict]) -> dict | None:
     return None
 
 
-def lines(report: dict, runs: list[dict], per_param: Callable[[dict, int], float]) -> list[str]:
+def lines(
+    report: dict[str, Any],
+    runs: list[dict[str, Any]],
+    per_param: Callable[[dict[str, Any], int], float],
+) -> list[str]:
     """One line per run with accumulation that has a counterpart without; ``per_param``: a
     run's bytes per parameter on the device (_report.device_bytes_per_param)."""
     params = report["params"]

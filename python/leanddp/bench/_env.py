@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import platform
+from typing import Any
 
 import torch
 
 import leanddp
 
 
-def environment(command: str) -> dict:
+def environment(command: str) -> dict[str, Any]:
     """``command`` as run, the versions, this build of leanddp, the CPU and, if any, the GPU."""
     models = []
     if os.path.exists("/proc/cpuinfo"):

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -148,7 +149,9 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int, int]]:
     return runs
 
 
-def launch(args: argparse.Namespace, name: str, accum: int, world: int, result: Path) -> dict:
+def launch(
+    args: argparse.Namespace, name: str, accum: int, world: int, result: Path
+) -> dict[str, Any]:
     """Runs one configuration under torchrun with ``world`` ranks; raises if any rank fails."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -168,7 +171,8 @@ def launch(args: argparse.Namespace, name: str, accum: int, world: int, result: 
             f"[leanddp.bench] {name} (accum {accum}, world size {world}) failed: "
             f"rc {done.returncode}"
         )
-    return json.loads(result.read_text())
+    outcome: dict[str, Any] = json.loads(result.read_text())
+    return outcome
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -46,7 +46,7 @@ class TinyGPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[1]
         mask = torch.triu(torch.full((n, n), float("-inf"), device=tokens.device), diagonal=1)
-        h = self.tok(tokens) + self.pos.weight[:n]
+        h: torch.Tensor = self.tok(tokens) + self.pos.weight[:n]
         h = self.norm(self.blocks(h, is_causal=True, mask=mask.to(h.dtype)))
         return h @ self.tok.weight.T
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from leanddp import _memory
 from leanddp.bench import _accumulation
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 #: The torch configuration shares torch's AdamW; leanddp's fused AdamW rounds differently (a few
 #: ulp per step) and accumulation sums micro-batch gradients in another order. AdamW turns
@@ -54,12 +57,13 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def device_bytes_per_param(run: dict, params: int) -> float:
+def device_bytes_per_param(run: dict[str, Any], params: int) -> float:
     """Bytes per parameter on the device: parameters + gradients + buckets + optimizer state."""
-    return sum(run["memory"][c] for c in DEVICE_CATEGORIES) / params
+    held: float = sum(run["memory"][c] for c in DEVICE_CATEGORIES)
+    return held / params
 
 
-def versus_torch(run: dict) -> str:
+def versus_torch(run: dict[str, Any]) -> str:
     """The run's step time against torch's DDP measured interleaved in its processes (the
     anchor itself: 1), as a table cell."""
     if run["config"] == ANCHOR:
@@ -68,18 +72,19 @@ def versus_torch(run: dict) -> str:
     return f"{versus['ratio']:.3f}" if versus else "—"
 
 
-def step_ms(run: dict) -> tuple[float, float, float]:
+def step_ms(run: dict[str, Any]) -> tuple[float, float, float]:
     """Median, fastest and slowest step in ms (one sample when no per-step times were kept)."""
     times = run.get("step_times") or [run["step_seconds"]]
     return run["step_seconds"] * 1e3, min(times) * 1e3, max(times) * 1e3
 
 
-def main_world(runs: list[dict]) -> int:
+def main_world(runs: list[dict[str, Any]]) -> int:
     """The world size of the main runs: the first run's (the launcher runs them first)."""
-    return runs[0]["world_size"]
+    world: int = runs[0]["world_size"]
+    return world
 
 
-def series_runs(runs: list[dict]) -> list[dict]:
+def series_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The world-size series: the in-backward runs, unsharded and sharded, at the accumulation
     the series ran at (the first run's), by configuration, then world size."""
     accum = runs[0]["accum"]
@@ -87,7 +92,7 @@ def series_runs(runs: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (r["config"] == SHARDED, r["world_size"]))
 
 
-def shard_target(run: dict, params: int, dtype: str) -> tuple[float, float] | None:
+def shard_target(run: dict[str, Any], params: int, dtype: str) -> tuple[float, float] | None:
     """The sharded run's target in bytes per parameter on the device, as (4 + 8/N, allowance
     for the buckets in flight: BUCKETS_IN_FLIGHT times its largest bucket); None where the
     target does not apply: another configuration, another dtype than fp32 (AdamW's state is
@@ -102,10 +107,14 @@ def shard_target(run: dict, params: int, dtype: str) -> tuple[float, float] | No
 def shard_fixed(world: float) -> float:
     """The sharded run's target before the buckets in flight, fp32 AdamW at ``world`` ranks:
     4 + 8/N bytes per parameter (the memory model's, leanddp._memory)."""
-    return _memory.per_parameter(_memory.mode(SHARDED), 4, "adamw", world)[0]
+    # (typed int there: a fractional ``world`` evaluates the formula between the runs' sizes,
+    # which holds for per_parameter's model without buckets)
+    return _memory.per_parameter(_memory.mode(SHARDED), 4, "adamw", cast(int, world))[0]
 
 
-def counterpart(run: dict, runs: list[dict], name: str) -> dict | None:
+def counterpart(
+    run: dict[str, Any], runs: list[dict[str, Any]], name: str
+) -> dict[str, Any] | None:
     """The run of configuration ``name`` at ``run``'s world size and accumulation, if any."""
     for r in runs:
         if (r["config"], r["world_size"], r["accum"]) == (name, run["world_size"], run["accum"]):
@@ -113,10 +122,10 @@ def counterpart(run: dict, runs: list[dict], name: str) -> dict | None:
     return None
 
 
-def losses_agree(runs: list[dict]) -> tuple[list[str], bool]:
+def losses_agree(runs: list[dict[str, Any]]) -> tuple[list[str], bool]:
     """One line per world size on whether the final losses agree (runs at different world
     sizes train on different global batches: they are compared within a world size)."""
-    groups: dict[int, list[dict]] = {}
+    groups: dict[int, list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault(r["world_size"], []).append(r)
     lines, agree = [], True
@@ -136,7 +145,7 @@ def losses_agree(runs: list[dict]) -> tuple[list[str], bool]:
     return lines, agree
 
 
-def main_table(report: dict, runs: list[dict]) -> list[str]:
+def main_table(report: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     """The table of every configuration at the main world size, and the offload lines."""
     env, args = report["env"], report["args"]
     on_gpu = args["device"] == "cuda"
@@ -187,7 +196,7 @@ def main_table(report: dict, runs: list[dict]) -> list[str]:
     return lines
 
 
-def world_table(report: dict, series: list[dict]) -> list[str]:
+def world_table(report: dict[str, Any], series: list[dict[str, Any]]) -> list[str]:
     """Bytes per parameter on the device by category against world size, with the target."""
     params, dtype = report["params"], report["args"]["dtype"]
     cpus = report["env"].get("cpus") if report["args"]["device"] == "cpu" else None
@@ -231,7 +240,7 @@ def world_table(report: dict, series: list[dict]) -> list[str]:
     return lines
 
 
-def target_lines(report: dict, runs: list[dict]) -> list[str]:
+def target_lines(report: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     """shard_optimizer_state's targets, met or not, in words: bytes per parameter at each world
     size, and the sharded step time against its anchor (the unsharded in-backward run on gloo,
     torch's DDP on NCCL) at the same world size and accumulation."""
@@ -283,7 +292,7 @@ def target_lines(report: dict, runs: list[dict]) -> list[str]:
     return lines
 
 
-def table(report: dict) -> tuple[str, bool]:
+def table(report: dict[str, Any]) -> tuple[str, bool]:
     """Markdown for the runs in ``report``, and whether the final losses agree.
 
     The main table holds the runs at the main world size; the runs of the world-size series,
@@ -305,7 +314,7 @@ def table(report: dict) -> tuple[str, bool]:
     return "\n".join(lines).rstrip(), agree
 
 
-def label(run: dict) -> str:
+def label(run: dict[str, Any]) -> str:
     """A run's name on the chart's x axis, wrapped to fit under its bar: each added mode on a
     line of its own ("+ offload_to_cpu"), every line at most 16 characters where words allow."""
     head, *added = run["config"].split(" + ")
@@ -314,7 +323,7 @@ def label(run: dict) -> str:
     return "\n".join(lines + [f"accum {run['accum']}"])
 
 
-def plot(report: dict, path: Path) -> bool:
+def plot(report: dict[str, Any], path: Path) -> bool:
     """The saving per configuration, the process's peak and step time, as a PNG.
 
     Three panels over the runs at the main world size: bytes per parameter on the device by
@@ -338,7 +347,7 @@ def plot(report: dict, path: Path) -> bool:
     return True
 
 
-def figure(report: dict) -> Any:
+def figure(report: dict[str, Any]) -> Any:
     """:func:`plot`'s matplotlib figure (laid out, not saved; the caller closes it)."""
     import matplotlib.pyplot as plt
 
@@ -430,7 +439,7 @@ def figure(report: dict) -> Any:
     return fig
 
 
-def world_panel(ax, report: dict, series: list[dict]) -> None:
+def world_panel(ax: Axes, report: dict[str, Any], series: list[dict[str, Any]]) -> None:
     """Bytes per parameter on the device against world size: the series' configurations where
     they were measured (one marker per run), the other configurations at the main world size
     only, and, for fp32 without accumulation, the target 4 + 8/N (a formula, dashed) with the
@@ -461,8 +470,8 @@ def world_panel(ax, report: dict, series: list[dict]) -> None:
         y = device_bytes_per_param(r, params)
         ax.scatter([world], [y], marker=marker, color="#555", zorder=3, label=r["config"])
         ax.annotate(f"{y:.1f}", (world, y), textcoords="offset points", xytext=(8, -3), fontsize=8)
-    bounds = [(r["world_size"], shard_target(r, params, dtype)) for r in series]
-    bounds = [(n, b) for n, b in bounds if b is not None]
+    targets = [(r["world_size"], shard_target(r, params, dtype)) for r in series]
+    bounds = [(n, b) for n, b in targets if b is not None]
     if bounds and dtype == "fp32" and accum == 1:
         lo, hi = worlds[0], worlds[-1]
         ns = [lo + (hi - lo) * k / 100 for k in range(101)]
@@ -477,7 +486,7 @@ def world_panel(ax, report: dict, series: list[dict]) -> None:
         )  # fmt: skip
     ax.set_xticks(worlds, [str(n) for n in worlds])
     ax.set_xlim(worlds[0] - 0.5, worlds[-1] + 0.5)
-    ax.set_ylim(0, 1.15 * max(line.get_ydata().max() for line in ax.get_lines()))
+    ax.set_ylim(0, 1.15 * max(line.get_ydata().max() for line in ax.get_lines()))  # type: ignore[union-attr]  # matplotlib types it ArrayLike; plot() keeps an ndarray
     if others:  # the other configurations are single markers (collections), not lines
         top = max(device_bytes_per_param(r, params) for r in others)
         ax.set_ylim(0, max(ax.get_ylim()[1], 1.15 * top))

@@ -20,8 +20,8 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -73,7 +73,12 @@ def log(msg: str) -> None:
         print(f"[leanddp.bench]   {msg}", file=sys.stderr, flush=True)
 
 
-def build(name: str, model: nn.Module, args: argparse.Namespace, device: torch.device):
+Wrapped = nn.parallel.DistributedDataParallel  # torch's DDP, or leanddp's (a subclass)
+
+
+def build(
+    name: str, model: nn.Module, args: argparse.Namespace, device: torch.device
+) -> tuple[Wrapped, torch.optim.Optimizer | None]:
     """The wrapped model and the optimizer the loop steps (None: stepped inside backward)."""
     wrapper, views, in_backward, offload, shard, on_host = CONFIGS[name]
     adamw = functools.partial(torch.optim.AdamW, lr=args.lr, fused=True)
@@ -95,7 +100,7 @@ def build(name: str, model: nn.Module, args: argparse.Namespace, device: torch.d
 
 
 def train_step(
-    ddp: nn.Module,
+    ddp: Wrapped,
     opt: torch.optim.Optimizer | None,
     batch: torch.Tensor,
     accum: int,
@@ -107,7 +112,7 @@ def train_step(
         sync = i == accum - 1
         with contextlib.nullcontext() if sync else ddp.no_sync():
             loss = loss_of(ddp, micro) / accum
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         total += loss.detach()
     if after_backward is not None:
         after_backward()
@@ -117,9 +122,9 @@ def train_step(
     return total
 
 
-def storages_bytes(tensors) -> int:
+def storages_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
-    seen = {}
+    seen: dict[int, int] = {}
     for t in tensors:
         s = t.untyped_storage()
         seen[s.data_ptr()] = s.nbytes()
@@ -133,7 +138,9 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     )
 
 
-def measure(name: str, ddp: nn.Module, opt, batch: torch.Tensor, accum: int) -> dict[str, int]:
+def measure(
+    name: str, ddp: Wrapped, opt: torch.optim.Optimizer | None, batch: torch.Tensor, accum: int
+) -> dict[str, int]:
     """One more step that measures gradients, buckets and optimizer state (bytes, rank 0)."""
     wrapper, _, in_backward, offload, _, _ = CONFIGS[name]
     params = [p for p in ddp.module.parameters() if p.requires_grad]
@@ -141,15 +148,17 @@ def measure(name: str, ddp: nn.Module, opt, batch: torch.Tensor, accum: int) -> 
     if wrapper == "torch":
 
         def probe() -> None:  # gradients are complete: torch's buckets live for the whole run
-            buckets = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+            buckets = ddp._get_ddp_logging_data().get("bucket_sizes", "")  # type: ignore[no-untyped-call]  # unannotated in torch
             out["buckets"] = sum(int(b) for b in str(buckets).split(",") if b.strip())
             grads = [p.grad for p in params if p.grad is not None]
             # with views, param.grad lies inside a bucket: only storages beyond those count
             out["gradients"] = 0 if ddp.gradient_as_bucket_view else storages_bytes(grads)
 
         train_step(ddp, opt, batch, accum, probe)
+        assert opt is not None  # (torch's DDP: the loop steps the optimizer)
         out["optimizer_device"] = state_bytes(opt)
         return out
+    assert isinstance(ddp, leanddp.DistributedDataParallel)  # (not torch's: leanddp's)
     peak = {"buckets": 0, "gradients": 0}
 
     def sample(_: torch.Tensor | None = None) -> None:  # the most held at once during backward
@@ -165,6 +174,7 @@ def measure(name: str, ddp: nn.Module, opt, batch: torch.Tensor, accum: int) -> 
     out["buckets"] = max(peak["buckets"], s["peak_bucket_bytes"])
     out["gradients"] = peak["gradients"]
     if not in_backward:
+        assert opt is not None  # (the loop steps the optimizer)
         out["optimizer_device"] = state_bytes(opt)
     elif offload:
         out["optimizer_device"] = 0
@@ -181,7 +191,13 @@ def measure(name: str, ddp: nn.Module, opt, batch: torch.Tensor, accum: int) -> 
     return out
 
 
-def timed_step(ddp: nn.Module, opt, batch: torch.Tensor, accum: int, device: torch.device) -> float:
+def timed_step(
+    ddp: Wrapped,
+    opt: torch.optim.Optimizer | None,
+    batch: torch.Tensor,
+    accum: int,
+    device: torch.device,
+) -> float:
     """Seconds of one training step, its device work and (offload_to_cpu) its host step
     included."""
     if device.type == "cuda":
@@ -196,8 +212,12 @@ def timed_step(ddp: nn.Module, opt, batch: torch.Tensor, accum: int, device: tor
 
 
 def interleaved(
-    args: argparse.Namespace, ddp: nn.Module, opt, data: list[torch.Tensor], device: torch.device
-) -> dict:
+    args: argparse.Namespace,
+    ddp: Wrapped,
+    opt: torch.optim.Optimizer | None,
+    data: list[torch.Tensor],
+    device: torch.device,
+) -> dict[str, Any]:
     """This configuration's steps alternating with torch's DDP + AdamW(fused=True) on the same
     model and data, in the same processes (one step of each per round, which goes first
     alternating), so both see the same machine at the same moments: the step time ratio
@@ -219,11 +239,17 @@ def interleaved(
     return dict(ours=times[0], torch=times[1], ratio=ours / torch_ddp)
 
 
-def host_overlap(ddp: nn.Module, opt, data: list[torch.Tensor], args: argparse.Namespace) -> dict:
+def host_overlap(
+    ddp: Wrapped,
+    opt: torch.optim.Optimizer | None,
+    data: list[torch.Tensor],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     """offload_to_cpu: the worker's busy time and the loop's waits for it over
     ``args.host_steps`` more steps. The share of the host step hidden is a ratio of a few ms per
     step on the CPU, where one stall of the worker (ranks sharing cores) is a large part of a few
     steps: it needs more steps than the step time does."""
+    assert isinstance(ddp, leanddp.DistributedDataParallel)  # (offload_to_cpu: leanddp's)
     before = ddp.offload_stats()
     for i in range(args.host_steps):
         train_step(ddp, opt, data[i % len(data)], args.accum)
@@ -241,7 +267,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":
         device = torch.device("cuda", local_rank)
@@ -274,6 +300,7 @@ def run(args: argparse.Namespace) -> dict:
         if (i + 1) % max(1, (args.warmup + args.steps) // 4) == 0:
             log(f"step {i + 1}/{args.warmup + args.steps}  loss {losses[-1].item():.4f}")
     if offload:
+        assert isinstance(ddp, leanddp.DistributedDataParallel)  # (offload_to_cpu: leanddp's)
         ddp.synchronize()  # the last step's host work belongs to the timed steps
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-_GUARDED: dict[int, weakref.ref] = {}
+_GUARDED: dict[int, weakref.ref[nn.Parameter]] = {}
 #: The clipping functions of torch.nn.utils.clip_grad that take parameters (clip_grad_norm and
 #: torch.nn.utils.clip_grads_with_norm_ call these at call time).
 _CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_value_", "_clip_grads_with_norm_")
@@ -33,7 +33,11 @@ def guard_clipping(params: Sequence[nn.Parameter]) -> None:
     stays guarded through ``_clip_grads_with_norm_``, which it looks up at call time."""
     for p in params:
         key = id(p)
-        _GUARDED[key] = weakref.ref(p, lambda _, key=key: _GUARDED.pop(key, None))
+
+        def forget(_: weakref.ref[nn.Parameter], key: int = key) -> None:
+            _GUARDED.pop(key, None)
+
+        _GUARDED[key] = weakref.ref(p, forget)
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 _FACADES: dict[type, type] = {}
 
 
-def base_class(optimizer: torch.optim.Optimizer) -> type:
+def base_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
     """The user's class of ``optimizer``, whether or not it is a facade yet."""
-    return base_class_of(type(optimizer))
+    return cast("type[torch.optim.Optimizer]", base_class_of(type(optimizer)))
 
 
 def base_class_of(cls: type) -> type:
@@ -45,9 +45,9 @@ def _facade_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None 
     ``_step_supports_amp_scaling``): hands the scaler this iteration's device-side found_inf,
     which ``scaler.update()`` then reads."""
     if "found_inf" in self.__dict__:
-        link = self.__dict__.get("_leanddp_link")
+        link: InBackward | None = self.__dict__.get("_leanddp_link")
         scaler = link.scaler if link is not None else None
-        if scaler is None or link.found_inf is None:
+        if scaler is None or link is None or link.found_inf is None:
             raise RuntimeError(
                 "leanddp optimizer_in_backward: GradScaler.step(ddp.optimizer) was called, but "
                 "the gradients were stepped inside backward without the scaler: pass "

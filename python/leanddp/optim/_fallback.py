@@ -24,7 +24,7 @@ class FallbackStepper:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        cls: type,
+        cls: type[torch.optim.Optimizer],
         params: list[nn.Parameter],
         group_of: list[int],
     ) -> None:

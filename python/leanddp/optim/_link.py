@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from .._extension import _C
@@ -22,6 +23,9 @@ from ._clipping import guard_clipping
 from ._facade import base_class, make_facade
 from ._fallback import FallbackStepper
 from ._state import StateView
+
+if TYPE_CHECKING:
+    from ..ddp import DistributedDataParallel
 
 
 def _lr(lr: Any, device: torch.device | None) -> float | Tensor:
@@ -74,7 +78,7 @@ class InBackward:
 
     def __init__(
         self,
-        ddp: nn.Module,
+        ddp: DistributedDataParallel,
         optimizer: torch.optim.Optimizer,
         group_of: list[int],
         params: list[nn.Parameter],
@@ -128,16 +132,19 @@ class InBackward:
         guard_clipping(params)
 
     @property
-    def core(self) -> Any:
+    def core(self) -> _C.InBackwardOptimizer | None:
         """The ``_C.InBackwardOptimizer`` (None once the wrapper is gone)."""
         return None if self._core is None else self._core()
 
     @property
-    def reducer(self) -> Any:
+    def reducer(self) -> _C.Reducer | None:
+        """The wrapper's Reducer (None once the wrapper is gone)."""
         ddp = self._ddp()
         return None if ddp is None else ddp.reducer
 
-    def attach(self, reducer: Any, group: Any, names: Sequence[str]) -> Any:
+    def attach(
+        self, reducer: _C.Reducer, group: dist.ProcessGroup, names: Sequence[str]
+    ) -> _C.InBackwardOptimizer:
         """Builds the C++ optimizer over the parameters (``names``, on the process group
         ``group``) and hands it to ``reducer``; state already in ``optimizer.state`` moves into
         it. Returns it, for the wrapper to hold."""
@@ -178,6 +185,7 @@ class InBackward:
         self.loading = False  # a load_state_dict that raised changed nothing
         self.saved = {}
         core = self.core
+        assert core is not None  # (called by the wrapper's forward)
         if self.kind is not None:
             core.set_groups(self._hypers())
         if self.scaler is not None:
@@ -185,11 +193,12 @@ class InBackward:
             if scaler._scale is None:  # what scaler.scale(loss) would do, a step earlier
                 scaler._lazy_init_scale_growth_tracker(self.device)
             scale = scaler._scale
+            assert scale is not None  # (made just above)
             if scale.device != self.device:
                 fail(f"grad_scaler's scale is on {scale.device}, the parameters on {self.device}")
             self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
             core.set_grad_scaler(scale, self.found_inf)
-        self.optimizer._opt_called = True  # LR schedulers: the optimizer does step
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # undeclared in torch; LR schedulers: the optimizer does step
         if adopt:
             self.adopt_state()
 
@@ -197,6 +206,7 @@ class InBackward:
         """Adopts optimizer state code replaced since the last call, and points
         ``optimizer.state`` at the fused state (waits for the steps where it was created)."""
         if self.kind is not None:
+            assert self.core is not None  # (called by the wrapper's forward)
             self.view.adopt(self.core)
         self.sync_state()
         if self.kind is not None:
@@ -224,6 +234,7 @@ class InBackward:
     def gathered_state(self) -> dict[nn.Parameter, dict[str, Any]]:
         """shard_optimizer_state: every parameter's state in torch's format, gathered from
         every rank's shard (a collective: every rank calls it and gets the whole state)."""
+        assert self.core is not None  # (optimizer.state_dict() of a live wrapper's optimizer)
         entries = self.core.gathered_state()
         return {p: dict(e) for p, e in zip(self.params, entries, strict=True) if e}
 
@@ -231,6 +242,7 @@ class InBackward:
         """Bytes of optimizer state (fused buffers and fallback state alike; this rank's
         shard of it with shard_optimizer_state)."""
         if self.sharded:
+            assert self.core is not None  # (called by the wrapper's memory_stats)
             return int(self.core.memory_stats().state_bytes)
         self.sync_state()
         seen: dict[tuple[str, int], int] = {}

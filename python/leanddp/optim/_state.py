@@ -21,7 +21,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -63,18 +63,20 @@ class StateView:
         # no replaced entry (mark()): while it still holds exactly these, nothing was replaced.
         self.marked: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
 
-    def spec(self, i: int) -> Any:
+    def spec(self, i: int) -> _C.StateSpec:
         """Parameter ``i``'s state as the fused optimizer keeps it (``leanddp._C.StateSpec``:
         whether the kernels step it; its keys, dtype and device), with its group's momentum as
         it is now (SGD keeps a buffer only with momentum). Needs a fused kind."""
         momentum = self.optimizer.param_groups[self.group_of[i]].get("momentum", 0) != 0
+        assert self.kind is not None  # (asked only where the kernels step)
         return _C.state_spec(self.kind, self.params[i], on_host=self.offload, momentum=momentum)
 
     @property
     def state(self) -> dict[Any, dict[str, Any]]:
-        return self.optimizer.__dict__["state"]
+        state: dict[Any, dict[str, Any]] = self.optimizer.__dict__["state"]
+        return state
 
-    def sync(self, core: Any, adopt: bool = True) -> None:
+    def sync(self, core: _C.InBackwardOptimizer, adopt: bool = True) -> None:
         """Re-points the entries at the fused state if it was created, moved or loaded since the
         last call (a replaced entry is adopted first, ``adopt``: its values would be lost)."""
         generation = core.generation()
@@ -138,7 +140,7 @@ class StateView:
                 out.append(i)
         return out
 
-    def adopt(self, core: Any) -> bool:
+    def adopt(self, core: _C.InBackwardOptimizer) -> bool:
         """Copies replaced entries into the fused state (all checked first: a value that cannot
         be adopted raises before any is copied). Returns whether any was."""
         if self.unchanged():
@@ -152,7 +154,10 @@ class StateView:
         return True
 
     def _check_and_load(
-        self, core: Any, indices: list[int], saved: dict[int, dict[str, Any]] | None = None
+        self,
+        core: _C.InBackwardOptimizer,
+        indices: list[int],
+        saved: dict[int, dict[str, Any]] | None = None,
     ) -> list[dict[str, Any] | None]:
         """Checks the ``optimizer.state`` entries of these parameters, all before any is copied,
         then copies them into the fused state; returns the entries (None where absent).
@@ -170,7 +175,9 @@ class StateView:
             self.load(core, i, entry or {})
         return entries
 
-    def load_all(self, core: Any, saved: dict[int, dict[str, Any]] | None = None) -> None:
+    def load_all(
+        self, core: _C.InBackwardOptimizer, saved: dict[int, dict[str, Any]] | None = None
+    ) -> None:
         """Copies what ``optimizer.state`` holds for every fused parameter into the fused state
         (after ``load_state_dict``; ``saved``: see :meth:`_check_and_load`) and points the
         entries at it."""
@@ -178,7 +185,7 @@ class StateView:
         self.generation = -1
         self.sync(core, adopt=False)
 
-    def _fail(self, i: int, key: str, message: str) -> None:
+    def _fail(self, i: int, key: str, message: str) -> NoReturn:
         raise ValueError(
             f"leanddp.DistributedDataParallel: optimizer_in_backward: optimizer.state of "
             f"parameter {self.names[i]!r}, key {key!r}: {message}"
@@ -218,7 +225,7 @@ class StateView:
             if not value.is_floating_point():
                 self._fail(i, key, f"expected a floating-point tensor, got {value.dtype}")
 
-    def load(self, core: Any, i: int, entry: dict[str, Any]) -> None:
+    def load(self, core: _C.InBackwardOptimizer, i: int, entry: dict[str, Any]) -> None:
         """Copies ``entry`` (checked) into parameter ``i``'s fused state; an empty entry resets it,
         as a plain torch optimizer starts over from an empty ``state[p]``."""
         spec = self.spec(i)
@@ -245,6 +252,6 @@ class StateView:
             core.load_state(i, 0, [])
 
     @staticmethod
-    def _holds_buffers(spec: Any, entry: dict[str, Any]) -> bool:
+    def _holds_buffers(spec: _C.StateSpec, entry: dict[str, Any]) -> bool:
         """Whether ``entry`` holds every state buffer of ``spec`` (and ``spec`` has some)."""
         return bool(spec.buffers) and all(entry.get(key) is not None for key in spec.buffers)
