@@ -140,13 +140,23 @@ void InBackwardOptimizer::abandon() {
   steps_->abandon();
 }
 
-void InBackwardOptimizer::set_forward_waits_all(bool all) {
+void InBackwardOptimizer::set_iteration(bool armed, bool forward_waits_all) {
   std::lock_guard<std::mutex> lock(mu_);
-  forward_waits_all_ = all;
+  armed_ = armed;
+  forward_waits_all_ = forward_waits_all;
 }
 
-void InBackwardOptimizer::relayout(const std::vector<Bucket>& buckets,
-                                   const std::vector<ShardLayout>& shards) {
+bool InBackwardOptimizer::matches(const std::vector<at::Tensor>& params,
+                                  const c10::intrusive_ptr<c10d::ProcessGroup>& group) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (group_.get() != group.get() || params.size() != params_.size()) return false;
+  for (size_t p = 0; p < params.size(); ++p) {
+    if (!params[p].is_same(params_[p])) return false;
+  }
+  return true;
+}
+
+void InBackwardOptimizer::begin_relayout() {
   std::lock_guard<std::mutex> lock(mu_);
   wait_locked(/*host_too=*/false, /*order_device=*/true);
   // Sharded, a parameter's state may move to another rank: each old bucket's state is gathered
@@ -158,6 +168,13 @@ void InBackwardOptimizer::relayout(const std::vector<Bucket>& buckets,
       old_full.push_back(gather_state(layout_, shards_, b));
     }
   }
+  old_full_ = std::move(old_full);
+}
+
+void InBackwardOptimizer::relayout(const std::vector<Bucket>& buckets,
+                                   const std::vector<ShardLayout>& shards) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::vector<std::vector<at::Tensor>> old_full = std::exchange(old_full_, {});
   const std::vector<Bucket> old_layout = std::exchange(layout_, layouts_of(buckets));
   shards_ = shards;
   for (size_t b = 0; b < layout_.size(); ++b) {
@@ -237,6 +254,9 @@ void InBackwardOptimizer::set_grad_scaler(at::Tensor scale, at::Tensor found_inf
   wait_locked(/*host_too=*/false, /*order_device=*/false);  // (the last steps are queued)
   TORCH_CHECK(scale.defined() == found_inf.defined(),
               "InBackwardOptimizer::set_grad_scaler: scale and found_inf go together");
+  // (check_modes refuses a GradScaler with shard_optimizer_state before anything is built)
+  TORCH_CHECK(!scale.defined() || !options_.sharded,
+              "InBackwardOptimizer::set_grad_scaler: sharded steps take no GradScaler");
   steps_->set_grad_scaler(std::move(scale), std::move(found_inf));
 }
 

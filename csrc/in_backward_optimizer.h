@@ -116,13 +116,25 @@ class InBackwardOptimizer {
   void gathered();
   // A backward abandoned (it raised, or the NaN check found a bucket): held steps are dropped.
   void abandon();
-  // The Reducer's next forward winds up an unfinished backward or rebuilds the buckets: it waits
-  // for every step there, so pending_steps() lists none (per-bucket waits would be stale).
-  void set_forward_waits_all(bool all);
-  // The buckets were rebuilt (after wait()): the state follows its parameters into `buckets`
-  // (cut by `shards`; sharded, each old bucket's state is gathered whole first: collectives in
-  // bucket order on every rank).
+  // Where the Reducer's iteration stands, pushed wherever it changes: `armed`, a forward prepared
+  // a synchronized backward that has not ended (state is not read or gathered then); and
+  // `forward_waits_all`, the next forward winds up an unfinished backward or rebuilds the
+  // buckets, so it waits for every step there and pending_steps() lists none (per-bucket waits
+  // would be stale).
+  void set_iteration(bool armed, bool forward_waits_all);
+  // A bucket rebuild, in two parts so that a failure leaves everything as it was: before the
+  // Reducer changes its buckets, begin_relayout() waits for the steps and, sharded, gathers each
+  // old bucket's state whole (collectives in bucket order on every rank; raises before any
+  // change); then relayout() moves the state to follow its parameters into `buckets` (cut by
+  // `shards`).
+  void begin_relayout();
   void relayout(const std::vector<Bucket>& buckets, const std::vector<ShardLayout>& shards);
+  // Whether the steps are ordered on a device that runs apart (the Reducer's side stream).
+  bool device_ordered() const { return device_ordered_; }
+  // Whether this optimizer was built over exactly `params` (the same tensors, in order) and
+  // `group`.
+  bool matches(const std::vector<at::Tensor>& params,
+               const c10::intrusive_ptr<c10d::ProcessGroup>& group) const;
   // The host waits for the steps (with `host_too` also for their copies back); with
   // `order_device` the current stream waits for stream()'s device steps. Rethrows an error the
   // host worker met.
@@ -149,7 +161,7 @@ class InBackwardOptimizer {
   void wait_for_steps(bool host_too);
   // offload_to_cpu: the buckets whose host steps are not done yet; empty otherwise, once the
   // worker met an error (wait_for_steps raises it), and where the next forward waits for every
-  // step anyway (set_forward_waits_all). A bucket whose step was dropped (an abandoned backward,
+  // step anyway (set_iteration). A bucket whose step was dropped (an abandoned backward,
   // the NaN check) is not pending. With `follow_copies` (the forward's call) and something
   // pending, on a GPU the current stream is then ordered after every copy back queued so far
   // (one event, the host does not wait): the buckets not listed were stepped, but their copies
@@ -219,7 +231,8 @@ class InBackwardOptimizer {
   // (with mu_ held)
   void wait_locked(bool host_too, bool order_device);
   void check_param(size_t p) const;
-  void check_idle(const char* what) const;  // not inside a backward, the group not closed
+  void check_open(const char* what) const;  // raises once closed
+  void check_idle(const char* what) const;  // raises inside a synchronized iteration
   FusedOptimizer& fused(const char* what) const;
   // Sharded: the state buffers of bucket `index` of `layout` (cut by `shards`), and with
   // offload_to_cpu a low-precision bucket's masters, gathered whole, padded (a collective).
@@ -245,9 +258,12 @@ class InBackwardOptimizer {
   std::vector<Bucket> layout_;
   std::vector<std::pair<size_t, size_t>> location_;
   std::vector<ShardLayout> shards_;
-  bool in_backward_ = false;       // a bucket was taken and the backward not ended or abandoned
-  bool forward_waits_all_ = true;  // set_forward_waits_all
-  double grad_norm_ = -1;          // note_grad_norm
+  bool in_backward_ = false;  // a bucket was taken and the backward not ended or abandoned
+  bool armed_ = false;        // set_iteration
+  bool forward_waits_all_ = true;
+  // begin_relayout(), sharded: each old bucket's state buffers gathered whole, for relayout().
+  std::vector<std::vector<at::Tensor>> old_full_;
+  double grad_norm_ = -1;  // note_grad_norm
 };
 
 }  // namespace leanddp

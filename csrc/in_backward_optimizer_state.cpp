@@ -14,11 +14,14 @@ void InBackwardOptimizer::check_param(size_t p) const {
   TORCH_CHECK(p < params_.size(), "InBackwardOptimizer: no parameter ", p);
 }
 
-void InBackwardOptimizer::check_idle(const char* what) const {
+void InBackwardOptimizer::check_open(const char* what) const {
   TORCH_CHECK(group_, "leanddp.DistributedDataParallel: ", what,
               " after the wrapper was closed (at interpreter exit, or when it was collected): "
               "it no longer holds its process group");
-  TORCH_CHECK(!in_backward_, "leanddp.DistributedDataParallel: ", what,
+}
+
+void InBackwardOptimizer::check_idle(const char* what) const {
+  TORCH_CHECK(!armed_ && !in_backward_, "leanddp.DistributedDataParallel: ", what,
               " happens between iterations, not during a backward");
 }
 
@@ -109,6 +112,7 @@ std::vector<at::Tensor> InBackwardOptimizer::gather_state(const std::vector<Buck
 std::vector<std::vector<std::pair<std::string, at::Tensor>>> InBackwardOptimizer::gathered_state() {
   at::NoGradGuard no_grad;
   std::lock_guard<std::mutex> lock(mu_);
+  check_open("gathering the sharded optimizer state");
   check_idle("gathering the sharded optimizer state");
   FusedOptimizer& fused = this->fused("gathered_state");
   TORCH_CHECK(fused.sharded(), "InBackwardOptimizer: gathered_state needs shard_optimizer_state");
@@ -133,7 +137,7 @@ std::vector<std::vector<std::pair<std::string, at::Tensor>>> InBackwardOptimizer
 std::vector<std::vector<std::array<int64_t, 3>>> InBackwardOptimizer::shard_placement() {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(options_.sharded, "InBackwardOptimizer: shard_placement needs shard_optimizer_state");
-  check_idle("reading the shard placement");
+  check_open("reading the shard placement");
   const int64_t world = group_->getSize();
   std::vector<std::vector<std::array<int64_t, 3>>> out(params_.size());
   for (size_t b = 0; b < layout_.size(); ++b) {

@@ -217,7 +217,8 @@ void HostOffload::set_groups(std::vector<OptimHyper> groups) {
       return;
     }
   }
-  optimizer_->set_groups(std::move(groups));  // (the worker is idle, and only we queue jobs)
+  // (no step is queued or running; the accumulator's additions never touch the optimizer)
+  optimizer_->set_groups(std::move(groups));
 }
 
 void HostOffload::wait_until(const std::function<bool()>& done) {
@@ -265,7 +266,8 @@ void HostOffload::wait(bool host_too) {
     std::unique_lock<std::mutex> lock(sync_->mu);
     block_until(lock, [&] { return queue_.empty() && !sync_->busy; });
   }
-  // (the worker is idle and only the caller queues jobs: no error can come between the two)
+  // (the worker is idle; the only other client, the accumulator, queues additions inside
+  // backward, never while its owner waits here)
   follow_copies(host_too);
 }
 

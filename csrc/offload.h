@@ -44,9 +44,11 @@
 // of backward, whatever the loop does between steps, and the next forward. On a CPU-only machine
 // the same pipeline runs, with synchronous copies.
 //
-// Threading: submit(), end_iteration() and the accessors run on the Reducer's threads with the
-// Reducer's lock held; the worker never takes that lock. `sync_->mu` guards the queue and the
-// worker's results. The optimizer, masters and host buffers are touched by the worker only
+// Threading: submit(), end_iteration() and the accessors run with InBackwardOptimizer's lock held
+// (inside backward the Reducer's too); HostAccumulator, this worker's other client, posts its
+// additions with the Reducer's lock only, and they never touch the optimizer, masters or
+// buffers. The worker takes neither lock. `sync_->mu` guards the queue and the worker's
+// results. The optimizer, masters and host buffers are touched by the worker only
 // while jobs are queued or running, and by the other methods only after wait() (or before the
 // first job of an iteration, for the buffers and masters of a submitted bucket).
 #pragma once

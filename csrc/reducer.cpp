@@ -88,7 +88,7 @@ Reducer::Detached Reducer::close() {
   if (optimizer_) detached.optimizer = optimizer_->close();  // (idempotent)
   if (!process_group_) return detached;                      // closed already
   armed_ = false;
-  tell_forward_waits();
+  tell_iteration();
   detached.process_group = std::move(process_group_);
   detached.works = std::move(works_);
   detached.futures = std::move(futures_);
@@ -200,7 +200,7 @@ void Reducer::reset_iteration_state() {
     b.pending = b.params.size();
     b.sparse_grad = at::Tensor();
   }
-  tell_forward_waits();
+  tell_iteration();
 }
 
 std::vector<std::string> Reducer::prepare_for_forward() {
@@ -233,7 +233,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   recover_unfinished();  // (prepare_for_forward did this already, unless the forward ran no_grad)
   reset_iteration_state();
   armed_ = true;
-  tell_forward_waits();
+  tell_iteration();
   peak_bucket_bytes_ = allocated_bytes_;
   max_in_flight_ = 0;
   reuses_.clear();

@@ -296,9 +296,10 @@ class Reducer {
   // max_grad_norm applied by the device steps (sharded; host steps clip themselves): they wait
   // for the end of backward (ShardGather::clip).
   bool clips_on_device() const { return options_.max_grad_norm && !steps_on_host(); }
-  // Tells the optimizer whether the next forward waits for every step (it winds up an
-  // unfinished backward or rebuilds the buckets): after armed_ or rebuild_due() may change.
-  void tell_forward_waits();
+  // Tells the optimizer where the iteration stands (armed_, and whether the next forward waits
+  // for every step: it winds up an unfinished backward or rebuilds the buckets), after armed_ or
+  // rebuild_due() may change.
+  void tell_iteration();
   // Before the buckets or parameters are changed from outside backward: waits for the
   // optimizer's steps (InBackwardOptimizer::wait).
   void wait_for_optimizer();

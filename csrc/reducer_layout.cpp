@@ -64,10 +64,11 @@ bool Reducer::rebuild_buckets() {
     seen[static_cast<size_t>(i)] = 1;
   }
   at::NoGradGuard no_grad;
+  // (the optimizer's collectives and waits first: raises before the buckets change)
+  if (optimizer_) optimizer_->begin_relayout();
   build_buckets(assign_buckets(params_, order, options_.caps_bytes, sparse_));
   if (recycler_) recycler_->clear();  // buffers cut for the old layout's bucket sizes
-  // The state follows its parameters (sharded: gathered from the old shards first, collectives
-  // in bucket order on every rank).
+  // The state follows its parameters (sharded: from the old state begin_relayout() gathered).
   if (optimizer_) optimizer_->relayout(buckets_, shard_.shards());
   if (accumulator_) accumulator_->set_layout(buckets_);
   if (options_.gradient_as_bucket_view) {
@@ -85,7 +86,7 @@ bool Reducer::rebuild_buckets() {
   reset_iteration_state();
   has_rebuilt_ = true;
   ready_order_.clear();
-  tell_forward_waits();
+  tell_iteration();
   return true;
 }
 

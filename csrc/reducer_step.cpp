@@ -104,6 +104,10 @@ void Reducer::set_optimizer(std::shared_ptr<InBackwardOptimizer> optimizer) {
               "leanddp.DistributedDataParallel: the Reducer was not built for "
               "optimizer_in_backward");
   TORCH_CHECK(optimizer && !optimizer_, "Reducer::set_optimizer: one optimizer, once");
+  TORCH_CHECK(optimizer->matches(params_, process_group_) &&
+                  optimizer->device_ordered() == window_.device_ordered(),
+              "Reducer::set_optimizer: the optimizer was built over other parameters, another "
+              "process group, or with other device ordering (host ordering, streams.h)");
   check_before_first_backward("the in-backward optimizer may be set");
   TORCH_CHECK(!options_.accumulate_on_host || optimizer->host_worker(),
               "leanddp.DistributedDataParallel: accumulate_on_host needs an optimizer that "
@@ -114,11 +118,11 @@ void Reducer::set_optimizer(std::shared_ptr<InBackwardOptimizer> optimizer) {
   if (options_.accumulate_on_host) {
     accumulator_ = std::make_unique<HostAccumulator>(*optimizer_->host_worker(), buckets_);
   }
-  tell_forward_waits();
+  tell_iteration();
 }
 
-void Reducer::tell_forward_waits() {
-  if (optimizer_) optimizer_->set_forward_waits_all(armed_ || rebuild_due());
+void Reducer::tell_iteration() {
+  if (optimizer_) optimizer_->set_iteration(armed_, armed_ || rebuild_due());
 }
 
 void Reducer::wait_for_optimizer() {
