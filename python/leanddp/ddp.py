@@ -565,4 +565,5 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         nn.Module.__setstate__(self, state)  # type: ignore[no-untyped-call]  # unannotated in torch
         self.process_group = dist.distributed_c10d._get_default_group()
         self._config = self._config.with_group(self.process_group)
+        self._optimizer_core = None  # (not pickled: pickling refuses optimizer_in_backward)
         self._build_reducer()
