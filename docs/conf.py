@@ -43,6 +43,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(Any|Callable|Sequence|Iterable|Iterator|Mapping|Self|Path|optional)"),
     (r"py:.*", r"(int|float|str|bool|dict|list|tuple|None|object|type)"),
     (r"py:.*", r"leanddp\._\w+\..*"),  # private types in public signatures
+    (r"py:class", r"_C\.\w+|DDPLogger"),  # the wrapper's reducer and logger, as ddp.py names them
 ]
 html_theme = "alabaster"
 html_static_path: list[str] = []

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
+
+if TYPE_CHECKING:
+    from ._logging import DDPLogger
 
 #: Tensors are broadcast in flat chunks of at most this many bytes (torch's DDP uses 250 MiB).
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
@@ -47,6 +50,35 @@ def broadcast_from_rank0(tensors: Sequence[Tensor], group: dist.ProcessGroup) ->
         ops.flatten_into(chunk, flat)
         dist.broadcast(flat, group=group, group_src=0)
         ops.unflatten_from(flat, chunk)
+
+
+def sync_initial_state(
+    named: Sequence[tuple[str, Tensor]],
+    state: Sequence[Tensor],
+    group: dist.ProcessGroup,
+    sparse_names: Collection[str],
+) -> None:
+    """Construction's collectives (``init_sync``): verifies that every rank of ``group`` holds
+    the same trainable parameters ``named`` (:func:`verify_same_parameters`, on their device),
+    then overwrites the module's ``state`` with rank 0's."""
+    verify_same_parameters(named, group, named[0][1].device, set(sparse_names))
+    broadcast_from_rank0(state, group)
+
+
+def sync_buffers(buffers: Sequence[Tensor], group: dist.ProcessGroup, logger: DDPLogger) -> None:
+    """The forward's broadcast of the module's ``buffers`` from rank 0 of ``group``. A failure
+    is logged to ``logger`` and raised again (its type) with a message saying what it means."""
+    try:
+        broadcast_from_rank0(buffers, group)
+    except RuntimeError as e:
+        message = (
+            f"leanddp.DistributedDataParallel: rank {group.rank()}: "
+            "broadcasting buffers from rank 0 failed. Another rank has probably died, raised "
+            "an exception, or run a different sequence of forwards and backwards; this "
+            f"process group cannot be used for training any more. The error: {e}"
+        )
+        logger.set_error_and_log(f"{type(e)}: {message}")
+        raise type(e)(message) from e
 
 
 def _all_gather_bytes(data: bytes, device: torch.device, group: dist.ProcessGroup) -> list[bytes]:

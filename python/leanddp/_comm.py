@@ -20,6 +20,7 @@ parameter's shape (``allreduce_hook`` does on gloo), and ``gradients()`` is empt
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,6 +41,26 @@ def builtin_hook(kind: Any) -> Callable[[Any, dist.GradBucket], torch.futures.Fu
     if kind == dist.BuiltinCommHookType.FP16_COMPRESS:
         return default_hooks.fp16_compress_hook
     return None
+
+
+def registration_error(registered: bool, reducer: _C.Reducer, modes: _C.Modes) -> str | None:
+    """Why a communication hook cannot be registered now, or None: one is already
+    (``registered``), ``reducer`` has run a backward, or the wrapper's ``modes`` do not combine
+    with a hook (``_C.check_modes``)."""
+    if registered:
+        return (
+            "register_comm_hook or register_builtin_comm_hook can only be called once. "
+            "(leanddp.DistributedDataParallel: a communication hook is already registered.)"
+        )
+    if reducer.num_iterations() > 0:
+        return (
+            "leanddp.DistributedDataParallel: register_comm_hook may be called only before "
+            "the first backward"
+        )
+    modes = copy.copy(modes)
+    modes.comm_hook = True
+    error = _C.check_modes(modes)
+    return None if error is None else f"leanddp.DistributedDataParallel: {error.message}"
 
 
 def _qualified_name(cls: type) -> str:

@@ -184,7 +184,16 @@ class DDPLogger:
             d["gloo_num_threads"] = _gloo_threads(group)
 
     def set_sample_rate(self, sample_rate: int) -> None:
-        """torch's ``_set_ddp_runtime_logging_sample_rate`` (the caller validated it)."""
+        """torch's ``_set_ddp_runtime_logging_sample_rate``: TypeError unless an int,
+        ValueError if below 1, each recorded as an error first (torch's ``_log_and_throw``)."""
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, int):
+            message = f"sample_rate must be an int, got {type(sample_rate).__name__}"
+            self.set_error_and_log(f"{TypeError}: {message}")
+            raise TypeError(message)
+        if sample_rate < 1:
+            message = "DDP runtime logging sample rate should be equal or greater than 1"
+            self.set_error_and_log(f"{ValueError}: {message}")
+            raise ValueError(message)
         self.sample_rate = int(sample_rate)
 
     def _sampled(self, iteration: int) -> bool:

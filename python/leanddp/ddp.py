@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
-from torch.nn.parallel.distributed import _find_tensors
+from torch.distributed.algorithms.join import JoinHook, _JoinConfig
 
-from . import _comm, _lifetime, _waits, optim
-from ._collectives import broadcast_from_rank0, verify_same_parameters
+from . import _comm, _lifetime, _stats, _waits, optim
+from ._collectives import sync_buffers, sync_initial_state
 from ._config import DDPConfig, check_arguments, check_trainable_unchanged
 from ._extension import _C
+from ._forward import UnevenInputsHook, after_module, before_module, move_to, warn_replaced_grads
 from ._logging import DDPLogger
 
 
@@ -111,6 +111,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     # torch's DDP types these as its own C++ Reducer and Logger, which this wrapper never builds
     reducer: _C.Reducer  # type: ignore[assignment]
     logger: DDPLogger  # type: ignore[assignment]
+    #: an error the last backward's steps raised, set before the module's forward and raised
+    #: after it (``_forward``)
+    _step_error: Exception | None
 
     if TYPE_CHECKING:  # torch's DDP method, unannotated there: logs the error, then raises it
 
@@ -190,38 +193,19 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         # (_build_reducer; optimizer_in_backward only)
         self._optimizer_core: _C.InBackwardOptimizer | None = None
         if config.optimizer_in_backward is not None:
-            named = self._named_trainable
-            optimizer, group_of = optim.build_optimizer(config.optimizer_in_backward, module, named)
-            if config.offload_to_cpu:
-                optim.check_fused(optimizer, named, "offload_to_cpu", contiguous=True)
-            if config.shard_optimizer_state:
-                optim.check_fused(optimizer, named, "shard_optimizer_state", contiguous=False)
-            self.optimizer = optimizer
-            self._in_backward = optim.InBackward(
-                self,
-                optimizer,
-                group_of,
-                [p for _, p in named],
-                offload=config.offload_to_cpu,
-                grad_scaler=grad_scaler,
-                names=[n for n, _ in named],
-                sharded=config.shard_optimizer_state,
-                offload_threads=config.offload_threads,
-                max_grad_norm=config.max_grad_norm,
+            self._in_backward = optim.InBackward.build(
+                self, config, self._named_trainable, grad_scaler
             )
+            self.optimizer = self._in_backward.optimizer
         if config.init_sync:
-            verify_same_parameters(
-                self._named_trainable,
-                self.process_group,
-                self._named_trainable[0][1].device,
-                set(config.sparse_names),
-            )
             state: list[Tensor] = [
                 p for name, p in module.named_parameters() if name not in self.parameters_to_ignore
             ]
             if config.init_sync_buffers:
                 state += self.modules_buffers
-            broadcast_from_rank0(state, self.process_group)
+            sync_initial_state(
+                self._named_trainable, state, self.process_group, config.sparse_names
+            )
         self._build_reducer()
         self.logger.set_construction_data(module, config)
         if config.static_graph:
@@ -321,84 +305,16 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         """
         with torch.autograd.profiler.record_function("leanddp.DistributedDataParallel.forward"):
             grad_enabled = torch.is_grad_enabled()
-            waits = self._before_module(grad_enabled, torch.compiler.is_compiling())
+            waits = before_module(self, grad_enabled, torch.compiler.is_compiling())
             if self.device_ids:
-                inputs, kwargs = _move_to(inputs, kwargs, self.device)
+                inputs, kwargs = move_to(inputs, kwargs, self.device)
             if waits is None:
                 output = self.module(*inputs, **kwargs)
             else:  # offload_to_cpu: each bucket's host step is waited for where it is read
                 with waits:
                     output = self.module(*inputs, **kwargs)
-            self._after_module(grad_enabled, output, waits is not None)
+            after_module(self, grad_enabled, output, waits is not None)
             return output
-
-    # The wrapper's bookkeeping around the module's forward: not traced by torch.compile (it
-    # calls into the C++ Reducer and handles errors), so that the module's forward between is.
-    @torch.compiler.disable  # type: ignore[untyped-decorator]  # unannotated in torch
-    def _before_module(self, grad_enabled: bool, compiling: bool) -> _waits.ReadWaits | None:
-        if self._join_config.enable:  # inside an enabled Join context: "not joined yet"
-            Join.notify_join_context(self)
-        # Last step's weights are in place; offload_to_cpu: host steps still pending are waited
-        # for as the module reads them (self._waits.begin below).
-        self._step_error: Exception | None = None
-        # (the buckets not pending were stepped: the current stream is ordered after their
-        # copies back here, which may still run on a GPU)
-        core = self._optimizer_core  # (None without optimizer_in_backward)
-        pending = core.pending_steps(follow_copies=True) if core is not None else []
-        if core is not None and not pending:
-            self._wait_for_steps(core.follow_steps)
-        if grad_enabled:
-            try:
-                self._check_parameters_unchanged()
-                if self.require_backward_grad_sync:
-                    self.logger.before_forward()
-                self._warn_replaced_grads(self.reducer.prepare_for_forward())
-                self.reducer.rebuild_buckets()
-            except Exception as e:
-                self.logger.set_error_and_log(f"{type(e)}: {e}")
-                raise
-            if self._in_backward is not None:  # (pending: state adopted after the forward)
-                self._in_backward.before_forward(adopt=not pending)
-        if self.will_sync_module_buffers():
-            self._sync_buffers()
-        waits = self._waits.begin(pending, compiling) if pending else None
-        if pending and waits is None:
-            self._wait_for_steps()
-        return waits
-
-    def _wait_for_steps(self, wait: Callable[[], None] | None = None) -> None:
-        """Waits for the last backward's steps (``wait``: the optimizer's ``wait_for_steps``, or
-        its ``follow_steps`` where none is pending, which does not wait for the host
-        worker's sums of no_sync() micro-batches). An error the host worker met is raised at the
-        end of the forward (``_after_module``), where one met while the forward waited bucket by
-        bucket is: at the same point on every rank, whichever way each one waited, so that no
-        rank is left alone in a collective of the forward."""
-        core = self._optimizer_core
-        assert core is not None  # (optimizer_in_backward)
-        try:
-            (wait or core.wait_for_steps)()
-        except Exception as e:  # noqa: BLE001 (re-raised by _after_module)
-            self._step_error = e
-
-    @torch.compiler.disable  # type: ignore[untyped-decorator]  # unannotated in torch
-    def _after_module(self, grad_enabled: bool, output: Any, waited_per_bucket: bool) -> None:
-        if waited_per_bucket:
-            assert self._optimizer_core is not None  # (only optimizer_in_backward waits per bucket)
-            self._optimizer_core.wait_for_steps()  # what the forward did not read (or an error)
-            if grad_enabled:
-                assert self._in_backward is not None  # (only offload_to_cpu waits per bucket)
-                self._in_backward.adopt_state()
-        error, self._step_error = self._step_error, None  # (set by _before_module)
-        if error is not None:
-            raise error
-        if grad_enabled and self.require_backward_grad_sync:
-            self.require_forward_param_sync = True
-            track = self.find_unused_parameters and not self.static_graph
-            self.reducer.prepare_for_backward(list(_find_tensors(output)) if track else [])  # type: ignore[no-untyped-call]  # unannotated in torch
-            if track:
-                self.logger.after_search()
-        else:
-            self.require_forward_param_sync = False
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts buffers from rank 0 (torch's rule: only after a
@@ -410,17 +326,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         )
 
     def _sync_buffers(self) -> None:
-        try:
-            broadcast_from_rank0(self.modules_buffers, self.process_group)
-        except RuntimeError as e:
-            message = (
-                f"leanddp.DistributedDataParallel: rank {self.process_group.rank()}: "
-                "broadcasting buffers from rank 0 failed. Another rank has probably died, raised "
-                "an exception, or run a different sequence of forwards and backwards; this "
-                f"process group cannot be used for training any more. The error: {e}"
-            )
-            self.logger.set_error_and_log(f"{type(e)}: {message}")
-            raise type(e)(message) from e
+        sync_buffers(self.modules_buffers, self.process_group, self.logger)
 
     def _check_parameters_unchanged(self) -> None:
         """Raises, naming them, if trainable parameters were added, removed, replaced or
@@ -430,15 +336,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def _warn_replaced_grads(self, names: list[str]) -> None:
         if names and not self._warned_replaced_grads:
             self._warned_replaced_grads = True
-            warnings.warn(
-                "leanddp.DistributedDataParallel: the gradient of "
-                f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''} is no longer a view "
-                "into its communication bucket (code replaced param.grad out of place). Results "
-                "stay correct (it is copied into the bucket at the next reduction), but the "
-                "memory saving of gradient_as_bucket_view is lost while it is held. Modify "
-                "gradients in place, or set them to None.",
-                stacklevel=3,
-            )
+            warn_replaced_grads(names, stacklevel=4)
 
     # ----------------------------------------------------------------------------------------
     # what code written for torch's DDP calls
@@ -474,23 +372,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._register_hook(hook, self.process_group, str(comm_hook_type))
 
     def _register_hook(self, hook: Callable[..., Any], state: object, name: str) -> None:
-        if self._comm_hooks:
-            self._log_and_throw(
-                RuntimeError,
-                "register_comm_hook or register_builtin_comm_hook can only be called once. "
-                "(leanddp.DistributedDataParallel: a communication hook is already registered.)",
-            )
-        if self.reducer.num_iterations() > 0:
-            self._log_and_throw(
-                RuntimeError,
-                "leanddp.DistributedDataParallel: register_comm_hook may be called only before "
-                "the first backward",
-            )
-        modes = copy.copy(self._config.modes)
-        modes.comm_hook = True
-        error = _C.check_modes(modes)
+        error = _comm.registration_error(bool(self._comm_hooks), self.reducer, self._config.modes)
         if error is not None:
-            self._log_and_throw(RuntimeError, f"leanddp.DistributedDataParallel: {error.message}")
+            self._log_and_throw(RuntimeError, error)
         self._attach_comm_hook(hook, state)
         self._comm_hooks.append((hook, state))
         self.logger._set_comm_hook_name(name)
@@ -556,7 +440,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         Args:
             kwargs: torch's ``join_hook()`` arguments (unused).
         """
-        return _UnevenInputsHook()
+        return UnevenInputsHook()
 
     def memory_stats(self) -> dict[str, Any]:
         """Bytes held now: ``param_bytes`` (trainable parameters), ``bucket_bytes`` (flat
@@ -579,40 +463,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         ``host_bytes_per_param``: host bytes per trainable parameter by category
         (``optimizer_state``, ``master_weights``, ``staging``, ``accumulation``, ``pinned``; all
         0.0 without offload_to_cpu)."""
-        s = self.reducer.memory_stats()
-        numel = max(1, sum(p.numel() for p in self._params))
-        state = self._in_backward.state_bytes() if self._in_backward else 0
-        offload = self._config.offload_to_cpu
-        core = self._optimizer_core
-        opt = core.memory_stats() if core is not None else None
-        masters = opt.host_master_bytes if opt else 0
-        staging = opt.host_buffer_bytes if opt else 0
-        pinned = s.host_pinned_bytes + (opt.host_pinned_bytes if opt else 0)
-        host = {
-            "optimizer_state": state if offload else 0,
-            # float32 masters are the copy-back staging buffer: counted as masters only
-            "master_weights": masters,
-            "staging": staging,
-            "accumulation": s.host_accumulation_bytes,
-            "pinned": pinned,
-        }
-        return {
-            "param_bytes": sum(p.numel() * p.element_size() for p in self._params),
-            "bucket_bytes": s.bucket_bytes,
-            "grad_bytes": s.grad_bytes,
-            "optimizer_state_bytes": state,
-            "host_master_bytes": masters,
-            "host_buffer_bytes": staging,
-            "host_pinned_bytes": pinned,
-            "host_accumulation_bytes": s.host_accumulation_bytes,
-            "grads_as_views": s.grads_as_views,
-            "grads_outside": s.grads_outside,
-            "num_buckets": s.num_buckets,
-            "peak_bucket_bytes": s.peak_bucket_bytes,
-            "max_buckets_in_flight": s.max_buckets_in_flight,
-            "recycled_bucket_bytes": s.recycled_bucket_bytes,
-            "host_bytes_per_param": {k: v / numel for k, v in host.items()},
-        }
+        return _stats.memory_stats(
+            self.reducer,
+            self._params,
+            self._in_backward,
+            self._optimizer_core,
+            self._config.offload_to_cpu,
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``; with ``accumulate_on_host`` also drops the gradients of
@@ -632,11 +489,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         state reads), and ``grad_norm``: the last step's total gradient norm before clipping
         (what ``clip_grad_norm_`` returns; -1 without ``max_grad_norm``). Zeros without
         offload_to_cpu."""
-        keys = ("iterations", "buckets", "step_seconds", "wait_seconds", "grad_norm")
-        if self._optimizer_core is None:
-            return {key: -1.0 if key == "grad_norm" else 0 for key in keys}
-        s = self._optimizer_core.stats()
-        return {key: getattr(s, key) for key in keys}
+        return _stats.offload_stats(self._optimizer_core)
 
     def sharded_optimizer_state_dict(self) -> dict[str, Any]:
         """shard_optimizer_state: this rank's shard of ``self.optimizer``'s state, for
@@ -686,14 +539,6 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """Measures runtime statistics every ``sample_rate``-th iteration after the first 10
         (torch's rule; 100 by default). ValueError if ``sample_rate < 1``."""
-        if isinstance(sample_rate, bool) or not isinstance(sample_rate, int):
-            self._log_and_throw(
-                TypeError, f"sample_rate must be an int, got {type(sample_rate).__name__}"
-            )
-        if sample_rate < 1:
-            self._log_and_throw(
-                ValueError, "DDP runtime logging sample rate should be equal or greater than 1"
-            )
         self.logger.set_sample_rate(sample_rate)
 
     # ----------------------------------------------------------------------------------------
@@ -720,30 +565,5 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         nn.Module.__setstate__(self, state)  # type: ignore[no-untyped-call]  # unannotated in torch
         self.process_group = dist.distributed_c10d._get_default_group()
         self._config = self._config.with_group(self.process_group)
+        self._optimizer_core = None  # (not pickled: pickling refuses optimizer_in_backward)
         self._build_reducer()
-
-
-def _move_to(
-    inputs: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    def move(obj: Any) -> Any:
-        if isinstance(obj, Tensor):
-            return obj.to(device, non_blocking=True)
-        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-            return type(obj)(move(o) for o in obj)
-        if isinstance(obj, dict):
-            return type(obj)((k, move(v)) for k, v in obj.items())
-        return obj
-
-    return move(inputs), move(kwargs)
-
-
-class _UnevenInputsHook(JoinHook):
-    """Join's hook: runs only on a rank that left an enabled ``Join`` while others train on."""
-
-    def main_hook(self) -> None:
-        raise NotImplementedError(
-            "leanddp.DistributedDataParallel: this rank ran out of inputs before the others "
-            "(uneven inputs), which join() does not support yet. Give every rank the same number "
-            "of batches, for example with DistributedSampler(..., drop_last=True)."
-        )

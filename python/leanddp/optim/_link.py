@@ -18,13 +18,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .._extension import _C
-from ._checks import check_scaler, fail, fused_kind
+from ._checks import build_optimizer, check_fused, check_scaler, fail, fused_kind
 from ._clipping import guard_clipping
 from ._facade import base_class, make_facade
 from ._fallback import FallbackStepper
 from ._state import StateView
 
 if TYPE_CHECKING:
+    from .._config import DDPConfig
     from ..ddp import DistributedDataParallel
 
 
@@ -130,6 +131,38 @@ class InBackward:
         self.fallback = FallbackStepper(optimizer, self.cls, params, group_of)
         make_facade(optimizer, self)
         guard_clipping(params)
+
+    @classmethod
+    def build(
+        cls,
+        ddp: DistributedDataParallel,
+        config: DDPConfig,
+        named: Sequence[tuple[str, nn.Parameter]],
+        grad_scaler: torch.amp.GradScaler | None,
+    ) -> InBackward:
+        """The wrapper's construction with optimizer_in_backward: calls the factory
+        (``config.optimizer_in_backward``) with ``ddp.module.parameters()``, checks what it
+        returns (and, with offload_to_cpu or shard_optimizer_state, that the fused kernels step
+        every one of ``named``, the trainable parameters) and links it to ``ddp``. The optimizer
+        is the link's ``optimizer``, which becomes ``ddp.optimizer``."""
+        assert config.optimizer_in_backward is not None  # (the caller's condition)
+        optimizer, group_of = build_optimizer(config.optimizer_in_backward, ddp.module, named)
+        if config.offload_to_cpu:
+            check_fused(optimizer, named, "offload_to_cpu", contiguous=True)
+        if config.shard_optimizer_state:
+            check_fused(optimizer, named, "shard_optimizer_state", contiguous=False)
+        return cls(
+            ddp,
+            optimizer,
+            group_of,
+            [p for _, p in named],
+            offload=config.offload_to_cpu,
+            grad_scaler=grad_scaler,
+            names=[n for n, _ in named],
+            sharded=config.shard_optimizer_state,
+            offload_threads=config.offload_threads,
+            max_grad_norm=config.max_grad_norm,
+        )
 
     @property
     def core(self) -> _C.InBackwardOptimizer | None:
