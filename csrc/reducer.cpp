@@ -113,48 +113,6 @@ void Reducer::check_open(const char* what) const {
               "it no longer holds its process group");
 }
 
-void Reducer::ensure_allocated(size_t bucket_index) {
-  Bucket& bucket = buckets_[bucket_index];
-  if (bucket.allocated()) return;
-  // Each slot is written before the bucket is read: a gradient copied or accumulated into its
-  // view, or zeros at mark_ready for a parameter without one. So no zero fill here.
-  at::Tensor storage;
-  if (recycler_) {  // (the stream that writes the gradients waits for the buffer's last use)
-    const at::Tensor& like = params_[static_cast<size_t>(bucket.params.front())];
-    if (auto reused = recycler_->take(std::max(bucket.numel, bucket.padded_numel), like,
-                                      current_stream(like.device()), allocated_buckets_)) {
-      storage = std::move(reused->storage);
-      if (reuses_.size() < 4 * buckets_.size()) {  // (bounded: no_sync() backwards add to it)
-        reuses_.emplace_back(static_cast<int64_t>(bucket_index),
-                             static_cast<int64_t>(reused->giver), reused->waits);
-      }
-    }
-  }
-  allocate_bucket(bucket, params_, /*zeroed=*/false, storage);
-  allocated_bytes_ += bucket.bytes();
-  ++allocated_buckets_;
-  note_peak();
-}
-
-void Reducer::note_peak() {
-  const int64_t recycled = recycler_ ? recycler_->bytes() : 0;
-  peak_bucket_bytes_ =
-      std::max(peak_bucket_bytes_, allocated_bytes_ + unfinished_bytes_ + recycled);
-}
-
-void Reducer::release(size_t bucket_index) {
-  Bucket& bucket = buckets_[bucket_index];
-  for (int64_t p : bucket.params) {
-    params_[static_cast<size_t>(p)].mutable_grad().reset();
-    grad_was_view_[static_cast<size_t>(p)] = 0;
-    view_since_sync_[static_cast<size_t>(p)] = 0;
-  }
-  if (!bucket.allocated()) return;
-  allocated_bytes_ -= bucket.bytes();
-  --allocated_buckets_;
-  release_bucket(bucket);
-}
-
 bool Reducer::tracks_unused() const {
   return options_.static_graph ? iterations_ == 0 : options_.find_unused_parameters;
 }

@@ -1,6 +1,7 @@
-// The Reducer's bucket layout (see reducer.h): building the buckets from an assignment,
-// rebuilding them once from the order in which gradients became ready, and what the Reducer
-// reports (bucket indices and bytes, memory statistics, iterations, timings, unused parameters).
+// The Reducer's buckets (see reducer.h): building them from an assignment, their storage
+// allocated and released (bucket bytes held and their peak), rebuilding them once from the
+// order in which gradients became ready, and what the Reducer reports (bucket indices and bytes,
+// memory statistics, iterations, timings, unused parameters).
 #include "reducer.h"
 
 #include <c10/util/Exception.h>
@@ -27,6 +28,48 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
   }
   // (shard_optimizer_state implies optimizer_in_backward: nothing is allocated yet)
   if (options_.shard_optimizer_state) shard_.cut_all(buckets_, *process_group_);
+}
+
+void Reducer::ensure_allocated(size_t bucket_index) {
+  Bucket& bucket = buckets_[bucket_index];
+  if (bucket.allocated()) return;
+  // Each slot is written before the bucket is read: a gradient copied or accumulated into its
+  // view, or zeros at mark_ready for a parameter without one. So no zero fill here.
+  at::Tensor storage;
+  if (recycler_) {  // (the stream that writes the gradients waits for the buffer's last use)
+    const at::Tensor& like = params_[static_cast<size_t>(bucket.params.front())];
+    if (auto reused = recycler_->take(std::max(bucket.numel, bucket.padded_numel), like,
+                                      current_stream(like.device()), allocated_buckets_)) {
+      storage = std::move(reused->storage);
+      if (reuses_.size() < 4 * buckets_.size()) {  // (bounded: no_sync() backwards add to it)
+        reuses_.emplace_back(static_cast<int64_t>(bucket_index),
+                             static_cast<int64_t>(reused->giver), reused->waits);
+      }
+    }
+  }
+  allocate_bucket(bucket, params_, /*zeroed=*/false, storage);
+  allocated_bytes_ += bucket.bytes();
+  ++allocated_buckets_;
+  note_peak();
+}
+
+void Reducer::note_peak() {
+  const int64_t recycled = recycler_ ? recycler_->bytes() : 0;
+  peak_bucket_bytes_ =
+      std::max(peak_bucket_bytes_, allocated_bytes_ + unfinished_bytes_ + recycled);
+}
+
+void Reducer::release(size_t bucket_index) {
+  Bucket& bucket = buckets_[bucket_index];
+  for (int64_t p : bucket.params) {
+    params_[static_cast<size_t>(p)].mutable_grad().reset();
+    grad_was_view_[static_cast<size_t>(p)] = 0;
+    view_since_sync_[static_cast<size_t>(p)] = 0;
+  }
+  if (!bucket.allocated()) return;
+  allocated_bytes_ -= bucket.bytes();
+  --allocated_buckets_;
+  release_bucket(bucket);
 }
 
 bool Reducer::rebuild_buckets() {
