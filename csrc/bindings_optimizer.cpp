@@ -30,7 +30,7 @@ class PyStepper final : public BucketStepper {
 };
 
 void bind_values(py::module_& m) {
-  py::enum_<OptimKind>(m, "OptimKind", "The optimizers the fused kernels step (fused_optim.h).")
+  py::enum_<OptimKind>(m, "OptimKind", "The optimizers the fused kernels step (fused_optimizer.h).")
       .value("sgd", OptimKind::kSgd)
       .value("adam", OptimKind::kAdam);
   py::class_<OptimHyper>(m, "OptimHyper",
@@ -100,9 +100,9 @@ void bind_values(py::module_& m) {
       .def_readonly("host_master_bytes", &OptimizerMemory::host_master_bytes)
       .def_readonly("host_buffer_bytes", &OptimizerMemory::host_buffer_bytes)
       .def_readonly("host_pinned_bytes", &OptimizerMemory::host_pinned_bytes);
-  py::class_<StateSpec>(
-      m, "StateSpec",
-      "What the fused kernels keep for one parameter, and whether they step it (fused_optim.h).")
+  py::class_<StateSpec>(m, "StateSpec",
+                        "What the fused kernels keep for one parameter, and whether they step it "
+                        "(fused_optimizer.h).")
       .def_readonly("stepped", &StateSpec::stepped)
       .def_readonly("unfit", &StateSpec::unfit)
       .def_readonly("needs", &StateSpec::needs)
@@ -116,7 +116,7 @@ void bind_values(py::module_& m) {
         py::arg("momentum"),
         "The fused optimizer's rule for `param` stepped by `kind` on the host (offload_to_cpu) "
         "or its device, `momentum` its group's momentum is nonzero: whether the kernels step it, "
-        "and its state's keys, dtype and device (csrc/fused_optim.h).");
+        "and its state's keys, dtype and device (csrc/fused_optimizer.h).");
 }
 
 }  // namespace

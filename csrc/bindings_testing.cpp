@@ -2,8 +2,8 @@
 // host ordering, the offload worker's end on its own thread, the OpenMP build check). Nothing
 // in leanddp itself calls them (see bindings.h).
 #include "bindings.h"
-#include "fused_optim.h"
-#include "offload.h"
+#include "fused_optimizer.h"
+#include "host_offload.h"
 #include "shard.h"
 #include "step_window.h"
 #include "streams.h"
@@ -79,7 +79,9 @@ bool offload_released_on_worker() {
   std::promise<void> released;
   std::shared_future<void> caller_released = released.get_future().share();
   // The task holds a reference until the worker drops the finished job, after ours is gone.
-  owner->post([keep = owner, caller_released] { caller_released.wait(); });
+  leanddp::HostWorker::Job job;
+  job.run = [keep = owner, caller_released] { caller_released.wait(); };
+  owner->worker()->post(std::move(job));
   owner.reset();
   released.set_value();
   return destroyed_on.get() != std::this_thread::get_id();

@@ -291,19 +291,19 @@ OptimizerMemory InBackwardOptimizer::memory_stats() {
 void InBackwardOptimizer::delay_host_steps(double seconds) {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(host_, "InBackwardOptimizer::delay_host_steps: only with offload_to_cpu");
-  host_->delay_steps(seconds);
+  host_->worker()->delay_jobs(seconds);
 }
 
 void InBackwardOptimizer::delay_copies_back(double seconds) {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(host_, "InBackwardOptimizer::delay_copies_back: only with offload_to_cpu");
-  host_->delay_copies_back(seconds);
+  host_->worker()->delay_copies_back(seconds);
 }
 
 std::optional<std::tuple<int64_t, int64_t, int64_t>> InBackwardOptimizer::copy_back_stream() const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!host_ || !host_->on_gpu()) return std::nullopt;
-  const c10::Stream stream = host_->h2d_stream();
+  if (!host_ || !host_->worker()->on_gpu()) return std::nullopt;
+  const c10::Stream stream = host_->worker()->h2d_stream();
   return std::make_tuple(static_cast<int64_t>(stream.id()),
                          static_cast<int64_t>(stream.device_index()),
                          static_cast<int64_t>(stream.device_type()));

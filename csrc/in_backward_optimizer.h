@@ -23,12 +23,12 @@
 #pragma once
 
 #include "bucket.h"
-#include "fused_optim.h"
-#include "nan_check.h"
-#include "offload.h"
+#include "bucket_stepper.h"
+#include "fused_optimizer.h"
+#include "host_offload.h"
+#include "non_finite_check.h"
 #include "shard.h"
 #include "step_strategy.h"
-#include "stepper.h"
 #include "streams.h"
 
 #include <ATen/ATen.h>
@@ -139,9 +139,11 @@ class InBackwardOptimizer {
   // `order_device` the current stream waits for stream()'s device steps. Rethrows an error the
   // host worker met.
   void wait(bool host_too, bool order_device = true);
-  // accumulate_on_host: the worker whose thread and copy streams the Reducer's HostAccumulator
-  // uses (offload_to_cpu only; it outlives the accumulator, which the Reducer destroys first).
-  HostOffload* host_worker() const { return host_; }
+  // accumulate_on_host: the host worker whose thread and copy streams the Reducer's
+  // HostAccumulator shares with the host steps (offload_to_cpu only; else null).
+  std::shared_ptr<HostWorker> host_worker() const {
+    return host_ ? host_->worker() : std::shared_ptr<HostWorker>();
+  }
   // What close() lets go of, for the caller to destroy where it may (the process group without
   // the GIL, the fallback stepper with it).
   struct Detached {

@@ -118,7 +118,7 @@ bool Reducer::tracks_unused() const {
 }
 
 bool Reducer::should_rebuild() const {
-  // (offload_to_cpu with shard_optimizer_state keeps its first layout: see offload.h)
+  // (offload_to_cpu with shard_optimizer_state keeps its first layout: see host_offload.h)
   return !has_rebuilt_ && (options_.static_graph || !options_.find_unused_parameters) &&
          !(options_.shard_optimizer_state && steps_on_host());
 }
@@ -547,7 +547,7 @@ void Reducer::register_comm_hook(std::unique_ptr<CommHook> hook) {
               "only once");
   check_before_first_backward("register_comm_hook may be called");
   comm_hook_ = std::move(hook);
-  // A hook's collective keeps its bucket past its release on a GPU (recycler.h).
+  // A hook's collective keeps its bucket past its release on a GPU (bucket_recycler.h).
   if (window_.device_ordered() && options_.optimizer_in_backward) {
     recycler_ = std::make_unique<BucketRecycler>(options_.buckets_in_flight + 1);
   }

@@ -30,9 +30,9 @@
 // every rank issues its reduce-scatters and all-gathers in the same order on the one process
 // group.
 // With accumulate_on_host (an optimizer stepping on the host) a no_sync() backward hands each
-// bucket, once its gradients are complete, to the HostAccumulator (host_accum.h) and releases it;
-// the next synchronized backward adds each bucket's host sum at its launch, before the reduction
-// (reducer_accum.cpp).
+// bucket, once its gradients are complete, to the HostAccumulator (host_accumulator.h) and releases
+// it; the next synchronized backward adds each bucket's host sum at its launch, before the
+// reduction (reducer_accum.cpp).
 //
 // Failures (see docs/reliability.md): a reduction that fails is rethrown into backward with what
 // was being reduced; a backward that raised part-way is wound up at the next forward, the same way
@@ -40,7 +40,7 @@
 // are stepped or handed back, and every rank raises at the end of backward.
 //
 // Concerns with state of their own, owned by the Reducer and called under `mu_`: the NaN check
-// (NonFiniteCheck, nan_check.h), shard_optimizer_state's cut, gathers and clipping
+// (NonFiniteCheck, non_finite_check.h), shard_optimizer_state's cut, gathers and clipping
 // (ShardGather, shard_gather.h), and the host sums of no_sync() micro-batches (HostAccumulator).
 //
 // Threading: hooks and the final callback run on autograd's threads; the Python-facing methods
@@ -49,17 +49,17 @@
 #pragma once
 
 #include "bucket.h"
+#include "bucket_recycler.h"
+#include "bucket_stepper.h"
 #include "comm_hook.h"
 #include "errors.h"
-#include "host_accum.h"
+#include "host_accumulator.h"
 #include "in_backward_optimizer.h"
-#include "nan_check.h"
-#include "recycler.h"
-#include "run_stats.h"
+#include "iteration_timer.h"
+#include "non_finite_check.h"
 #include "shard.h"
 #include "shard_gather.h"
 #include "step_window.h"
-#include "stepper.h"
 #include "streams.h"
 
 #include <c10/macros/Macros.h>
@@ -120,7 +120,7 @@ struct ReducerOptions {
   // the bucket is released. No communication hook, NaN check or GradScaler with it.
   bool shard_optimizer_state = false;
   // With an optimizer that steps on the host (offload_to_cpu): no_sync() micro-batches'
-  // gradients are summed on the host (HostAccumulator, host_accum.h) by the optimizer's host
+  // gradients are summed on the host (HostAccumulator, host_accumulator.h) by the optimizer's host
   // worker, each bucket released from the device as soon as it is complete.
   bool accumulate_on_host = false;
   // Clip the gradients' global 2-norm to this (torch's clip_grad_norm_). Host steps clip
@@ -143,7 +143,7 @@ struct MemoryStats {
   int64_t peak_bucket_bytes = 0;
   int64_t max_buckets_in_flight = 0;
   // Released bucket storage kept for the next buckets (a comm hook with optimizer_in_backward on
-  // a GPU: recycler.h); counted in peak_bucket_bytes, not in bucket_bytes.
+  // a GPU: bucket_recycler.h); counted in peak_bucket_bytes, not in bucket_bytes.
   int64_t recycled_bucket_bytes = 0;
   // accumulate_on_host: the no_sync() micro-batches' sums and incoming copies on the host, and
   // how many of those bytes are pinned (page-locked).
@@ -236,7 +236,7 @@ class Reducer {
   std::vector<int64_t> bucket_bytes() const;
   bool has_rebuilt_buckets() const;
   int64_t num_iterations() const;  // synchronized backwards finished
-  // torch's runtime statistics (see run_stats.h): called at each forward that prepares a
+  // torch's runtime statistics (see iteration_timer.h): called at each forward that prepares a
   // synchronized backward, before the module runs; `sampled` measures this iteration.
   void time_iteration(bool sampled);
   // The last measured iteration's statistics (valid=false if none completed since the last
@@ -307,7 +307,8 @@ class Reducer {
   [[noreturn]] void rethrow_collective_error(const std::string& what) const;
   // Records `message` for take_usage_error() and raises it (see LEANDDP_USAGE_CHECK).
   [[noreturn]] void usage_error(const std::string& message) const;
-  // Raises the NaN check's error (nan_check.h; `used`: this iteration's globally-used verdict).
+  // Raises the NaN check's error (non_finite_check.h; `used`: this iteration's globally-used
+  // verdict).
   [[noreturn]] void raise_nonfinite(const std::vector<int32_t>& used) const;
   void reset_iteration_state();
   // Before a backward (and after one ended): forgets the side stream's steps known finished
@@ -440,7 +441,7 @@ class Reducer {
   std::deque<std::pair<EventPool::Handle, int64_t>> finish_events_;
   int64_t unfinished_bytes_ = 0;
   // A comm hook with in-backward steps on a GPU: released buckets' storage, reused for the next
-  // buckets (recycler.h); null otherwise. Set by register_comm_hook.
+  // buckets (bucket_recycler.h); null otherwise. Set by register_comm_hook.
   std::unique_ptr<BucketRecycler> recycler_;
   // Reuses of released storage since the last prepare_for_backward (recycler_reuses()).
   std::vector<std::tuple<int64_t, int64_t, bool>> reuses_;

@@ -1,6 +1,6 @@
 // The Reducer's accumulate_on_host paths (offload_to_cpu): no_sync() micro-batches' gradients
 // summed on the host, bucket by bucket, and added back at the synchronized micro-batch
-// (host_accum.h has the data flow and why the result is torch's, bit for bit). See reducer.h.
+// (host_accumulator.h has the data flow and why the result is torch's, bit for bit). See reducer.h.
 #include "op_calls.h"
 #include "reducer.h"
 

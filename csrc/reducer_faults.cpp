@@ -1,6 +1,6 @@
 // The failure paths of the Reducer (see reducer.h and docs/reliability.md): winding up a
 // backward that raised, rethrowing failed collectives with what they were reducing, and raising
-// the NaN check's error (its state and checks: nan_check.h).
+// the NaN check's error (its state and checks: non_finite_check.h).
 #include "reducer.h"
 
 #include <c10/util/Exception.h>

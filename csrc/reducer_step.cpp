@@ -116,7 +116,7 @@ void Reducer::set_optimizer(std::shared_ptr<InBackwardOptimizer> optimizer) {
   optimizer->attach(buckets_, shard_.shards(), /*checked_first=*/nan_.enabled());
   optimizer_ = std::move(optimizer);
   if (options_.accumulate_on_host) {
-    accumulator_ = std::make_unique<HostAccumulator>(*optimizer_->host_worker(), buckets_);
+    accumulator_ = std::make_unique<HostAccumulator>(optimizer_->host_worker(), buckets_);
   }
   tell_iteration();
 }
@@ -142,7 +142,7 @@ std::vector<std::tuple<int64_t, int64_t, bool>> Reducer::recycler_reuses() const
 
 int64_t Reducer::events_created() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return (events_ ? events_->created() : 0) + (accumulator_ ? accumulator_->events_created() : 0);
+  return events_ ? events_->created() : 0;  // (the accumulator's are the host worker's)
 }
 
 }  // namespace leanddp

@@ -2,7 +2,7 @@
 #include "shard_gather.h"
 
 #include "errors.h"
-#include "fused_optim.h"  // clip_coefficient
+#include "fused_optimizer.h"  // clip_coefficient
 #include "op_calls.h"
 
 #include <torch/csrc/autograd/variable.h>

@@ -5,7 +5,7 @@
 //     device NaN check's gating ride on the kernels' found_inf. Sharded, this rank's shard is
 //     stepped (the Reducer then gathers the stepped shards back into the parameters).
 //   * HostSteps: offload_to_cpu. Every bucket is copied to the host and stepped there by
-//     HostOffload (offload.h) on its device-to-host stream; the next forward waits. Sharded,
+//     HostOffload (host_offload.h) on its device-to-host stream; the next forward waits. Sharded,
 //     with max_grad_norm, the global norm is allreduced at the end of backward.
 //
 // Owned by InBackwardOptimizer and called with its lock held, on the thread holding it
@@ -14,11 +14,11 @@
 #pragma once
 
 #include "bucket.h"
-#include "fused_optim.h"
-#include "nan_check.h"
-#include "offload.h"
+#include "bucket_stepper.h"
+#include "fused_optimizer.h"
+#include "host_offload.h"
+#include "non_finite_check.h"
 #include "shard.h"
-#include "stepper.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/Stream.h>
@@ -131,7 +131,7 @@ class HostSteps final : public StepStrategy {
     offload_->set_layout(buckets, shards);
   }
   FusedOptimizer* optimizer() const override { return &offload_->optimizer(); }
-  c10::Stream stream() const override { return offload_->d2h_stream(); }
+  c10::Stream stream() const override { return offload_->worker()->d2h_stream(); }
   bool caller_follows() const override { return false; }
   void step(size_t index, Bucket& bucket, const Take& what) override;
   void end_of_backward(c10d::ProcessGroup& group) override;
@@ -143,7 +143,7 @@ class HostSteps final : public StepStrategy {
                 const std::vector<std::vector<at::Tensor>>& old_full) override;
   void shutdown() override { offload_->shutdown(); }
   int64_t generation() const override;
-  int64_t events_created() const override { return offload_->events_created(); }
+  int64_t events_created() const override { return offload_->worker()->events_created(); }
 
  private:
   std::unique_ptr<HostOffload> offload_;

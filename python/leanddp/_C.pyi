@@ -48,8 +48,8 @@ class MemoryStats:
     def host_pinned_bytes(self) -> int: ...
 
 # ------------------------------------------------------------------------------------------------
-# optimizer_in_backward's optimizer (csrc/in_backward_optimizer.h, csrc/fused_optim.h; the Python
-# side: leanddp.optim)
+# optimizer_in_backward's optimizer (csrc/in_backward_optimizer.h, csrc/fused_optimizer.h; the
+# Python side: leanddp.optim)
 
 class OptimKind:  # a pybind11 enum (not an enum.Enum)
     __members__: ClassVar[dict[str, OptimKind]]
@@ -144,7 +144,7 @@ class OptimizerMemory:
     def host_pinned_bytes(self) -> int: ...
 
 # The step of the buckets the fused kernels do not cover: (bucket index, parameter indices, their
-# gradients), with the GIL, on the autograd thread (csrc/stepper.h).
+# gradients), with the GIL, on the autograd thread (csrc/bucket_stepper.h).
 _FallbackStep = Callable[[int, list[int], list[Tensor]], object]
 
 class InBackwardOptimizer:
@@ -211,7 +211,7 @@ class StateSpec:  # read-only, made by state_spec() only
 def state_spec(kind: OptimKind, param: Tensor, on_host: bool, momentum: bool) -> StateSpec: ...
 
 # ------------------------------------------------------------------------------------------------
-# The Reducer's settings (csrc/nan_check.h NanCheck, csrc/reducer.h ReducerOptions)
+# The Reducer's settings (csrc/modes.h NanCheck, csrc/reducer.h ReducerOptions)
 
 class NanCheck:  # a pybind11 enum (not an enum.Enum)
     __members__: ClassVar[dict[str, NanCheck]]
@@ -257,7 +257,7 @@ class _HookFuture(Protocol):
 # its parameters' indices, their offsets and lengths in the buffer, in elements).
 _Launcher = Callable[[int, int, Tensor, list[int], list[int], list[int]], _HookFuture]
 
-class _IterationTimes(TypedDict):  # collect_times() (csrc/run_stats.h), in ns
+class _IterationTimes(TypedDict):  # collect_times() (csrc/iteration_timer.h), in ns
     host_ns: list[int]
     forward_compute_time: int
     backward_compute_time: int

@@ -146,7 +146,7 @@ def _hook_reuses(rank: int, world_size: int) -> None:
 def test_a_comm_hook_overlaps_two_collectives() -> None:
     """optimizer_in_backward with a comm hook under device order (host ordering, csrc/streams.h;
     its side stream's steps known finished only once waited for, as NCCL's): a released
-    bucket's storage is kept for the next buckets (recycler.h). The launch of bucket k never
+    bucket's storage is kept for the next buckets (bucket_recycler.h). The launch of bucket k never
     takes bucket k - 1's storage while that bucket's step is not known finished: the recycler
     grows to the window + 1 buffers first, so the compute stream never waits for the last
     collective launched."""

@@ -355,22 +355,37 @@ def test_load_state_dict_with_host_work_in_flight() -> None:
     run_ranks(2, _load_in_flight)
 
 
-def _worker_error(rank: int, world_size: int) -> None:
-    run = InBackwardLockStep(Net(rank=rank, f64=False), OPTIMIZERS["adamw"], offload=True)
+def _worker_error(rank: int, world_size: int, max_grad_norm: float | None) -> None:
+    run = InBackwardLockStep(
+        Net(rank=rank, f64=False), OPTIMIZERS["adamw"], offload=True, max_grad_norm=max_grad_norm
+    )
     run.step([torch.randn(BATCH, 12)])
+    run.step([torch.randn(BATCH, 12)])  # (the buckets are rebuilt at its forward)
+    run.ours.synchronize()
+    stepped = run.ours.offload_stats()["buckets"]
+    before = [p.detach().clone() for p in run.ours.parameters()]
     good_beta = run.ours.optimizer.param_groups[0]["betas"]
     run.ours.optimizer.param_groups[0]["betas"] = (1.5, 0.999)  # the host kernel rejects it
     accumulate(run.ours, [torch.randn(BATCH, 12)])  # backward itself returns
     with pytest.raises(ValueError, match="beta1 must be in"):
         run.ours(torch.randn(BATCH, 12))  # the next call raises the worker's error
+    # The first step failed; with clipping the buckets held for the norm are dropped with it.
+    after = list(run.ours.parameters())
+    if max_grad_norm is not None:
+        landed = [not torch.equal(a, b) for a, b in zip(after, before, strict=True)]
+        assert not any(landed), f"a dropped step landed: {landed}"
     run.ours.optimizer.param_groups[0]["betas"] = good_beta
     accumulate(run.ours, [torch.randn(BATCH, 12)])  # the pipeline works again
     run.ours.synchronize()
-    assert run.ours.offload_stats()["iterations"] == 2
+    stats = run.ours.offload_stats()
+    assert stats["iterations"] == 3, stats
+    if max_grad_norm is not None:  # this iteration's buckets, not also the dropped ones
+        assert stats["buckets"] == stepped + len(run.ours.reducer.bucket_indices()), stats
 
 
-def test_worker_error_surfaces_at_the_next_call() -> None:
-    run_ranks(2, _worker_error)
+@pytest.mark.parametrize("max_grad_norm", [None, 0.05])
+def test_worker_error_surfaces_at_the_next_call(max_grad_norm: float | None) -> None:
+    run_ranks(2, _worker_error, max_grad_norm)
 
 
 _EXIT_SCRIPT = textwrap.dedent(

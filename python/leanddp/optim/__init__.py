@@ -6,7 +6,7 @@ steps happen inside backward), so its ``param_groups`` are the live hyper-parame
 scheduler changes and its ``state_dict()`` has exactly torch's format.
 
 * torch.optim.SGD, Adam and AdamW with options leanddp's fused kernels cover are stepped in
-  C++ (``FusedOptimizer`` in csrc/fused_optim.h) on float32, bfloat16 and float16 buckets
+  C++ (``FusedOptimizer`` in csrc/fused_optimizer.h) on float32, bfloat16 and float16 buckets
   (float32 math; state in the parameters' dtype, as torch's fused optimizers keep it): their
   state lives in flat per-bucket buffers, and ``optimizer.state`` holds views of it. A tensor
   ``lr`` on the parameters' device is handed to the kernels as a tensor, never read by the host.
@@ -20,7 +20,7 @@ scheduler changes and its ``state_dict()`` has exactly torch's format.
   after one in that backward); ``scaler.step(ddp.optimizer)`` steps nothing and hands the
   iteration's ``found_inf`` to the scaler, so ``scaler.update()`` backs off or grows as usual.
 * With ``offload_to_cpu`` every parameter is stepped on the host by the fused kernels
-  (``HostOffload`` in csrc/offload.h): the state is in host memory, and bfloat16/float16
+  (``HostOffload`` in csrc/host_offload.h): the state is in host memory, and bfloat16/float16
   parameters get float32 master weights there, exposed as ``state[p]["master_weight"]``.
 
 One module per concern:

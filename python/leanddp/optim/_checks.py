@@ -19,7 +19,7 @@ from ._facade import base_class, base_class_of
 if TYPE_CHECKING:
     from ._link import InBackward
 
-#: The torch classes leanddp's fused kernels step, and the kind (csrc/fused_optim.h) they are.
+#: The torch classes leanddp's fused kernels step, and the kind (csrc/fused_optimizer.h) they are.
 _FUSED_KINDS = {
     torch.optim.SGD: _C.OptimKind.sgd,
     torch.optim.Adam: _C.OptimKind.adam,

@@ -2,7 +2,7 @@
 
 Another optimizer class, an option the kernels lack, a float64 parameter or one with gaps or
 overlaps (a strided slice): the Reducer hands such a bucket's parameters and gradient views to
-:class:`FallbackStepper` (csrc/stepper.h, with the GIL), which steps them with a per-bucket
+:class:`FallbackStepper` (csrc/bucket_stepper.h, with the GIL), which steps them with a per-bucket
 instance of the user's class sharing ``optimizer.state``.
 """
 

@@ -1,5 +1,5 @@
-// check_for_nan_in_grad (see nan_check.h and docs/reliability.md).
-#include "nan_check.h"
+// check_for_nan_in_grad (see non_finite_check.h and docs/reliability.md).
+#include "non_finite_check.h"
 
 #include "errors.h"
 

@@ -1,95 +1,35 @@
-#include "offload.h"
+#include "host_offload.h"
 
 #include "op_calls.h"
 
-#include <ATen/Parallel.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <iterator>
+#include <thread>
 #include <utility>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 namespace leanddp {
-namespace {
-
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-}  // namespace
 
 HostOffload::HostOffload(std::vector<at::Tensor> params, std::unique_ptr<FusedOptimizer> optimizer,
                          OffloadOptions options)
     : params_(std::move(params)), optimizer_(std::move(optimizer)), options_(options) {
   TORCH_CHECK(!params_.empty() && optimizer_, "HostOffload: no parameters or no optimizer");
   TORCH_CHECK(options_.threads > 0, "HostOffload: threads must be positive");
-  const c10::Device device = params_[0].device();
-  TORCH_CHECK(device.is_cpu() || device.is_cuda(),
-              "offload_to_cpu supports parameters on the CPU or a CUDA GPU, not ", device);
-  on_gpu_ = runs_apart(device);
-  if (on_gpu_) {
-    d2h_stream_ = pool_stream(device);
-    h2d_stream_ = pool_stream(device);
-    TORCH_INTERNAL_ASSERT(*d2h_stream_ != *h2d_stream_, "offload_to_cpu: one stream for both ways");
-    events_ = std::make_unique<EventPool>(device.type());
-  }
-  // Pinned where the copies cross PCIe (not under host ordering, on a CPU).
-  staging_options_ = at::TensorOptions().device(at::kCPU).pinned_memory(device.is_cuda());
+  worker_ = std::make_shared<HostWorker>(params_[0].device(), options_.threads);
+  on_gpu_ = worker_->on_gpu();
   const size_t n = params_.size();
   masters_.resize(n);
   versions_.assign(n, 0);
   made_.assign(n, 0);
   location_.assign(n, {SIZE_MAX, 0});
-  worker_ = std::thread([this, sync = sync_] { run_worker(sync); });
 }
 
-HostOffload::~HostOffload() { shutdown(); }
-
-void HostOffload::shutdown() {
-  const bool on_worker = worker_.get_id() == std::this_thread::get_id();
-  {
-    std::unique_lock<std::mutex> lock(sync_->mu);
-    // The wrapper may be collected right after a backward (a framework's teardown): its queued
-    // host steps still land in the parameters. (On the worker, nothing else can run them.)
-    if (!on_worker) {
-      sync_->cv.wait(lock, [&] { return sync_->stop || (queue_.empty() && !sync_->busy); });
-    }
-    sync_->stop = true;
-    queue_.clear();
-  }
-  sync_->cv.notify_all();
-  if (!worker_.joinable()) return;
-  if (on_worker) {
-    worker_.detach();  // (see the header) destroying a joinable std::thread would terminate
-  } else {
-    worker_.join();
-  }
-}
-
-void HostOffload::post(std::function<void()> task) {
-  post_after(EventPool::Handle(), std::move(task));
-}
-
-void HostOffload::post_after(EventPool::Handle copied, std::function<void()> task) {
-  Job job;
-  job.task = std::move(task);
-  job.copied = std::move(copied);
-  {
-    std::lock_guard<std::mutex> lock(sync_->mu);
-    if (sync_->stop) return;
-    queue_.push_back(std::move(job));
-  }
-  sync_->cv.notify_all();
-}
+// (The worker may outlive this object, co-owned by the accumulator: no job referring to this
+// object may run after it.)
+HostOffload::~HostOffload() { worker_->shutdown(); }
 
 void HostOffload::set_layout(const std::vector<Bucket>& buckets, std::vector<ShardLayout> shards) {
   TORCH_CHECK(shards.empty() || shards.size() == buckets.size(),
@@ -111,7 +51,7 @@ void HostOffload::set_layout(const std::vector<Bucket>& buckets, std::vector<Sha
   host_.assign(layout_.size(), HostBucket{});
   last_submit_.assign(layout_.size(), 0);
   {
-    std::lock_guard<std::mutex> lock(sync_->mu);
+    const std::unique_lock<std::mutex> lock = worker_->lock();
     stepped_.assign(layout_.size(), 0);
     copied_back_.clear();
     copied_back_.resize(layout_.size());
@@ -129,24 +69,25 @@ void HostOffload::set_layout(const std::vector<Bucket>& buckets, std::vector<Sha
 
 void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<char>& mask) {
   {
-    std::lock_guard<std::mutex> lock(sync_->mu);
-    if (sync_->stop || error_) return;  // dropped: the error surfaces at the next wait()
+    const std::unique_lock<std::mutex> lock = worker_->lock();
+    const HostWorker::Status status = worker_->status();
+    if (status.stopped || status.failed) return;  // dropped: the error surfaces at the next wait()
   }
   TORCH_CHECK(index < layout_.size() && layout_[index].numel == bucket.numel,
               "HostOffload: bucket ", index, " does not match the layout it was given");
   at::Tensor& grads = host_[index].grads;
   if (!grads.defined()) {
-    grads = at::empty({extent(index)}, staging_options_.dtype(bucket.flat.scalar_type()));
+    grads = at::empty({extent(index)}, worker_->staging_options().dtype(bucket.flat.scalar_type()));
   }
-  Job job;
-  job.index = index;
-  job.sequence = last_submit_[index] = ++submitted_;
-  job.layout = layout_[index];
-  job.mask = mask;
-  job.refresh.assign(bucket.params.size(), 0);
-  job.grads = grads;
+  Step step;
+  step.index = index;
+  step.layout = layout_[index];
+  step.mask = mask;
+  step.refresh.assign(bucket.params.size(), 0);
+  step.grads = grads;
+  HostWorker::Job job;
   std::optional<StreamScope> guard;
-  if (on_gpu_) guard.emplace(*d2h_stream_);
+  if (on_gpu_) guard.emplace(worker_->d2h_stream());
   // Sharded: the shard, reduced there (the rest of the padded bucket is not).
   grads.copy_(
       shards_.empty() ? bucket.flat : bucket.padded.narrow(0, shards_[index].begin, extent(index)),
@@ -160,43 +101,41 @@ void HostOffload::submit(size_t index, const Bucket& bucket, const std::vector<c
     if (masters_[p].defined() && param._version() == versions_[p]) continue;
     const at::Tensor host = weights_slot(p);
     if (host.defined()) host.copy_(part(p, param), /*non_blocking=*/on_gpu_);
-    job.refresh[s] = low_precision(p);
+    step.refresh[s] = low_precision(p);
     if (!low_precision(p)) ensure_master(p);  // a view of that slot
     versions_[p] = param._version();
   }
-  if (on_gpu_) job.copied = events_->record(*d2h_stream_);
+  if (on_gpu_) job.after = worker_->events().record(worker_->d2h_stream());
+  int64_t sequence = 0;
   {
-    std::lock_guard<std::mutex> lock(sync_->mu);
-    queue_.push_back(std::move(job));
+    const std::unique_lock<std::mutex> lock = worker_->lock();
+    sequence = step.sequence = last_submit_[index] = ++submitted_;
   }
-  sync_->cv.notify_all();
+  // (captures nothing `run` owns: see HostWorker::Job)
+  job.dropped = [this, index, sequence] { settle(index, sequence); };
+  job.run = [this, step = std::move(step)]() mutable { process(step); };
+  job.key = static_cast<int64_t>(index);
+  job.drop_if_failed = true;
+  if (!worker_->post(std::move(job))) {  // (an error met meanwhile, or stopped)
+    const std::unique_lock<std::mutex> lock = worker_->lock();
+    settle(index, sequence);
+  }
 }
 
 void HostOffload::end_iteration(bool completed, std::optional<double> sum_squares) {
-  {
-    std::lock_guard<std::mutex> lock(sync_->mu);
-    if (sync_->stop || error_) return;
-    Job marker;
-    marker.end = true;
-    marker.completed = completed;
-    marker.sum_squares = sum_squares;
-    if (options_.last_bucket_first) {
-      // The steps queued last and not started (no task, no marker among them): highest first.
-      auto first = queue_.end();
-      while (first != queue_.begin() && !std::prev(first)->task && !std::prev(first)->end) --first;
-      std::stable_sort(first, queue_.end(),
-                       [](const Job& a, const Job& b) { return a.index > b.index; });
-    }
-    queue_.push_back(std::move(marker));
-  }
-  sync_->cv.notify_all();
+  HostWorker::Job marker;
+  marker.run = [this, completed, sum_squares] { finish_iteration(completed, sum_squares); };
+  marker.drop_if_failed = true;
+  // The steps queued last and not started (no other job among them): highest index first.
+  worker_->post(std::move(marker), /*sort_tail=*/options_.last_bucket_first);
 }
 
 std::vector<int64_t> HostOffload::pending() const {
   std::vector<int64_t> out;
-  std::lock_guard<std::mutex> lock(sync_->mu);
+  const std::unique_lock<std::mutex> lock = worker_->lock();
   // (idle: what was not stepped was dropped, by an abandoned iteration or an error)
-  if (error_ || sync_->stop || (queue_.empty() && !sync_->busy)) return out;
+  const HostWorker::Status status = worker_->status();
+  if (status.failed || status.stopped || status.idle) return out;
   for (size_t b = 0; b < last_submit_.size(); ++b) {
     if (stepped_[b] < last_submit_[b]) out.push_back(static_cast<int64_t>(b));
   }
@@ -205,53 +144,35 @@ std::vector<int64_t> HostOffload::pending() const {
 
 void HostOffload::set_groups(std::vector<OptimHyper> groups) {
   optimizer_->check_groups(groups);
-  {
-    std::lock_guard<std::mutex> lock(sync_->mu);
-    if (!sync_->stop && (!queue_.empty() || sync_->busy)) {
-      Job job;
-      job.task = [this, groups = std::move(groups)]() mutable {
-        optimizer_->set_groups(std::move(groups));
-      };
-      queue_.push_back(std::move(job));
-      sync_->cv.notify_all();
-      return;
-    }
-  }
+  auto shared = std::make_shared<std::vector<OptimHyper>>(std::move(groups));
+  HostWorker::Job job;
+  job.run = [this, shared] { optimizer_->set_groups(std::move(*shared)); };
+  if (worker_->post_if_busy(std::move(job))) return;
   // (no step is queued or running; the accumulator's additions never touch the optimizer)
-  optimizer_->set_groups(std::move(groups));
-}
-
-void HostOffload::wait_until(const std::function<bool()>& done) {
-  std::unique_lock<std::mutex> lock(sync_->mu);
-  // (not on error_ alone: jobs posted after it still run; the failed job's queue was dropped)
-  sync_->cv.wait(lock, [&] { return done() || sync_->stop || (queue_.empty() && !sync_->busy); });
-}
-
-void HostOffload::delay_copies_back(double seconds) {
-  TORCH_CHECK(on_gpu_ && h2d_stream_->device_type() == c10::DeviceType::CPU,
-              "HostOffload::delay_copies_back: only under host ordering (a test seam)");
-  set_stream_lag(*h2d_stream_, seconds);
+  optimizer_->set_groups(std::move(*shared));
 }
 
 void HostOffload::block_until(std::unique_lock<std::mutex>& lock,
-                              const std::function<bool()>& ready) {
-  if (ready()) return;
+                              const std::function<bool(const HostWorker::Status&)>& ready) {
+  if (ready(worker_->status())) return;
   const auto start = std::chrono::steady_clock::now();
-  sync_->cv.wait(lock, ready);
-  stats_.wait_seconds += seconds_since(start);
+  worker_->wait(lock, ready);
+  stats_.wait_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 void HostOffload::wait_stepped(size_t index) {
   std::shared_ptr<const PooledEvent> copied;
   bool failed = false;
   {
-    std::unique_lock<std::mutex> lock(sync_->mu);
+    std::unique_lock<std::mutex> lock = worker_->lock();
     // (a failed or stopped worker dropped its jobs: the queue is empty then)
-    block_until(lock, [&] {
-      return stepped_[index] >= last_submit_[index] || error_ || sync_->stop ||
-             (queue_.empty() && !sync_->busy);
+    block_until(lock, [&](const HostWorker::Status& status) {
+      return stepped_[index] >= last_submit_[index] || status.failed || status.stopped ||
+             status.idle;
     });
-    failed = error_ || sync_->stop;
+    const HostWorker::Status status = worker_->status();
+    failed = status.failed || status.stopped;
     copied = copied_back_[index];
   }
   // (outside the lock: the worker goes on publishing steps; `copied` stays alive here if it
@@ -263,8 +184,8 @@ void HostOffload::wait_stepped(size_t index) {
 
 void HostOffload::wait(bool host_too) {
   {
-    std::unique_lock<std::mutex> lock(sync_->mu);
-    block_until(lock, [&] { return queue_.empty() && !sync_->busy; });
+    std::unique_lock<std::mutex> lock = worker_->lock();
+    block_until(lock, [](const HostWorker::Status& status) { return status.idle; });
   }
   // (the worker is idle; the only other client, the accumulator, queues additions inside
   // backward, never while its owner waits here)
@@ -273,100 +194,41 @@ void HostOffload::wait(bool host_too) {
 
 void HostOffload::follow_copies(bool host_too) {
   order_after_copies(host_too);  // (first: if it raises, the worker's error stays for the next)
-  std::exception_ptr error;
-  {
-    std::lock_guard<std::mutex> lock(sync_->mu);
-    std::swap(error, error_);
-  }
-  if (error) std::rethrow_exception(error);
+  if (std::exception_ptr error = take_error()) std::rethrow_exception(error);
+}
+
+std::exception_ptr HostOffload::take_error() {
+  std::exception_ptr error = worker_->take_error();
+  if (!error) return error;
+  // (no step ran since the error: none is queued while it is held, and the queue was dropped)
+  const std::unique_lock<std::mutex> lock = worker_->lock();
+  for (const Step& dropped : held_) settle(dropped.index, dropped.sequence);
+  held_.clear();
+  sum_squares_ = 0;
+  return error;
 }
 
 void HostOffload::order_after_copies(bool host_too) {
   if (!on_gpu_) return;
   // (recorded after the caller read pending(): every bucket stepped by then had its copy back
   // queued before its step was published, so this event follows it)
-  const EventPool::Handle copied = events_->record(*h2d_stream_);
+  const EventPool::Handle copied = worker_->events().record(worker_->h2d_stream());
   copied->block(current_stream(params_[0].device()));
   if (host_too) copied->synchronize();
 }
 
-void HostOffload::run_worker(const std::shared_ptr<Sync>& sync) {
-  // A new thread's current device is the first GPU: this rank's device instead, before the first
-  // CUDA call (an event synchronize does not set it), or every rank opens a context on GPU 0.
-  const c10::Device device = params_[0].device();
-  if (device.is_cuda()) c10::impl::VirtualGuardImpl(device.type()).setDevice(device);
-  // The step kernels use at::parallel_for, an OpenMP team sized by this thread's own setting.
-  at::internal::lazy_init_num_threads();
-#ifdef _OPENMP
-  omp_set_num_threads(options_.threads);
-#endif
-  at::NoGradGuard no_grad;
-  std::unique_lock<std::mutex> lock(sync->mu);
-  while (true) {
-    sync->cv.wait(lock, [&] { return sync->stop || !queue_.empty(); });
-    if (sync->stop) return;
-    Job job = std::move(queue_.front());
-    queue_.pop_front();
-    sync->busy = true;
-    lock.unlock();
-    const auto start = std::chrono::steady_clock::now();
-    std::exception_ptr error;
-    const bool step = !job.task && !job.end;  // (a step that fails is dropped: settled below)
-    const size_t index = job.index;
-    const int64_t sequence = job.sequence;
-    try {
-      process(job);
-    } catch (c10::Error& e) {
-      e.add_context(
-          "in leanddp offload_to_cpu's host step (the weights of this iteration may be "
-          "partly updated)");
-      error = std::current_exception();
-    } catch (...) {
-      error = std::current_exception();
-    }
-    // Drops the job's references before publishing. The last reference to this object may go
-    // with them (shutdown() then ran on this thread): from here on only `sync` is touched until
-    // `stop` is known to be unset.
-    job = Job();
-    lock.lock();
-    if (sync->stop) return;
-    sync->busy = false;
-    stats_.step_seconds += seconds_since(start);
-    if (error) {
-      error_ = error;
-      if (step) settle(index, sequence);
-      for (const Job& dropped : queue_) settle_dropped(dropped);
-      for (const Job& dropped : held_) settle_dropped(dropped);
-      queue_.clear();
-      held_.clear();
-      sum_squares_ = 0;
-    }
-    sync->cv.notify_all();
-  }
-}
-
-void HostOffload::process(Job& job) {
-  if (job.task) {
-    if (job.copied) job.copied->synchronize();
-    job.task();
-    return;
-  }
-  if (job.end) {
-    finish_iteration(job.completed, job.sum_squares);
-    return;
-  }
-  if (job.copied) job.copied->synchronize();
+void HostOffload::process(Step& step) {
   if (!holds()) {
-    step_job(job, std::nullopt);
+    step_job(step, std::nullopt);
     return;
   }
   if (options_.max_grad_norm) {
     // Unused parameters' slots hold zeros: the sum is over the gradients torch would clip.
     const double norm =
-        at::linalg_vector_norm(job.grads, 2, std::nullopt, false, at::kDouble).item<double>();
+        at::linalg_vector_norm(step.grads, 2, std::nullopt, false, at::kDouble).item<double>();
     sum_squares_ += norm * norm;
   }
-  held_.push_back(std::move(job));
+  held_.push_back(std::move(step));
 }
 
 void HostOffload::adopt_masters() {
@@ -384,12 +246,8 @@ void HostOffload::adopt_versions() {
 }
 
 double HostOffload::held_sum_squares() const {
-  std::lock_guard<std::mutex> lock(sync_->mu);
+  const std::unique_lock<std::mutex> lock = worker_->lock();
   return sum_squares_;
-}
-
-void HostOffload::settle_dropped(const Job& job) {
-  if (!job.task && !job.end) settle(job.index, job.sequence);
 }
 
 void HostOffload::settle(size_t index, int64_t sequence) {
@@ -397,14 +255,14 @@ void HostOffload::settle(size_t index, int64_t sequence) {
 }
 
 void HostOffload::finish_iteration(bool completed, std::optional<double> total) {
-  std::vector<Job> held = std::exchange(held_, {});
+  std::vector<Step> held = std::exchange(held_, {});
   const double sum_squares = std::exchange(sum_squares_, 0.0);
   if (!completed) {  // held buckets are dropped unstepped: not pending any more
     {
-      std::lock_guard<std::mutex> lock(sync_->mu);
-      for (const Job& dropped : held) settle_dropped(dropped);
+      const std::unique_lock<std::mutex> lock = worker_->lock();
+      for (const Step& dropped : held) settle(dropped.index, dropped.sequence);
     }
-    sync_->cv.notify_all();
+    worker_->notify();
     return;
   }
   double grad_norm = -1;
@@ -413,28 +271,28 @@ void HostOffload::finish_iteration(bool completed, std::optional<double> total) 
     grad_norm = std::sqrt(total.value_or(sum_squares));
     coef = clip_coefficient(grad_norm, *options_.max_grad_norm);
   }
-  std::vector<Job*> order;
-  for (Job& job : held) order.push_back(&job);
+  std::vector<Step*> order;
+  for (Step& step : held) order.push_back(&step);
   if (options_.last_bucket_first) {
     std::stable_sort(order.begin(), order.end(),
-                     [](const Job* a, const Job* b) { return a->index > b->index; });
+                     [](const Step* a, const Step* b) { return a->index > b->index; });
   }
   size_t done = 0;
   try {
     for (; done < order.size(); ++done) step_job(*order[done], coef);
   } catch (...) {
-    // The failing step and those after it are dropped: back to held_, which the worker's error
-    // branch settles (not pending any more) under the lock that publishes the error.
+    // The failing step and those after it are dropped: back to held_, which take_error() settles
+    // (not pending any more; wait_stepped() and pending() see the error until then).
     for (size_t k = done; k < order.size(); ++k) held_.push_back(std::move(*order[k]));
     throw;
   }
-  std::lock_guard<std::mutex> lock(sync_->mu);
+  const std::unique_lock<std::mutex> lock = worker_->lock();
   ++stats_.iterations;
   stats_.grad_norm = grad_norm;
 }
 
-void HostOffload::step_job(const Job& job, std::optional<double> grad_scale) {
-  if (const double delay = step_delay_; delay > 0) {
+void HostOffload::step_job(const Step& job, std::optional<double> grad_scale) {
+  if (const double delay = worker_->delay(); delay > 0) {
     std::this_thread::sleep_for(std::chrono::duration<double>(delay));
   }
   const Bucket& layout = job.layout;
@@ -462,16 +320,16 @@ void HostOffload::step_job(const Job& job, std::optional<double> grad_scale) {
   {
     // (recorded first: a bucket is published stepped together with the event of its copy)
     std::shared_ptr<const PooledEvent> copied;
-    if (on_gpu_) copied = events_->record(*h2d_stream_);  // (a pooled event)
-    std::lock_guard<std::mutex> lock(sync_->mu);
+    if (on_gpu_) copied = worker_->events().record(worker_->h2d_stream());  // (a pooled event)
+    const std::unique_lock<std::mutex> lock = worker_->lock();
     ++stats_.buckets;
     stepped_[job.index] = job.sequence;
     if (copied) copied_back_[job.index] = std::move(copied);
   }
-  sync_->cv.notify_all();  // (wait_stepped: also within an iteration's held steps)
+  worker_->notify();  // (wait_stepped: also within an iteration's held steps)
 }
 
-void HostOffload::copy_back(const Job& job, const at::Tensor& weights) {
+void HostOffload::copy_back(const Step& job, const at::Tensor& weights) {
   const Bucket& layout = job.layout;
   // What this rank stepped of each member: the parameter, or sharded its piece, and where it
   // lies in the bucket's host buffers (their regions are consecutive from the start, in slot
@@ -527,7 +385,7 @@ void HostOffload::copy_back(const Job& job, const at::Tensor& weights) {
     versions_[member.param] = member.target._version();  // (shared with the parameter)
   }
   if (on_gpu_) {
-    run_on(*h2d_stream_, std::move(write));
+    run_on(worker_->h2d_stream(), std::move(write));
   } else {
     write();
   }
@@ -613,7 +471,7 @@ at::Tensor& HostOffload::ensure_weights(size_t b) {
   at::Tensor& weights = host_[b].weights;
   if (!weights.defined()) {
     const at::Tensor& first = params_[static_cast<size_t>(layout_[b].params.front())];
-    weights = at::empty({extent(b)}, staging_options_.dtype(first.scalar_type()));
+    weights = at::empty({extent(b)}, worker_->staging_options().dtype(first.scalar_type()));
   }
   return weights;
 }
@@ -621,9 +479,10 @@ at::Tensor& HostOffload::ensure_weights(size_t b) {
 OffloadStats HostOffload::stats() const {
   OffloadStats out;
   {
-    std::lock_guard<std::mutex> lock(sync_->mu);
+    const std::unique_lock<std::mutex> lock = worker_->lock();
     out = stats_;
   }
+  out.step_seconds = worker_->busy_seconds();
   const auto count = [&](const at::Tensor& t, int64_t& category) {
     if (!t.defined()) return;
     category += static_cast<int64_t>(t.nbytes());

@@ -1,4 +1,4 @@
-#include "host_accum.h"
+#include "host_accumulator.h"
 
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
@@ -6,15 +6,16 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <thread>
 #include <utility>
 
 namespace leanddp {
 
-HostAccumulator::HostAccumulator(HostOffload& offload, const std::vector<Bucket>& buckets)
-    : offload_(offload), on_gpu_(offload.on_gpu()) {
-  if (on_gpu_) events_ = std::make_unique<EventPool>(offload.d2h_stream().device_type());
+HostAccumulator::HostAccumulator(std::shared_ptr<HostWorker> worker,
+                                 const std::vector<Bucket>& buckets)
+    : worker_(std::move(worker)), on_gpu_(worker_->on_gpu()) {
   set_layout(buckets);
 }
 
@@ -37,25 +38,25 @@ void HostAccumulator::add(size_t index, const at::Tensor& flat) {
   const bool first = !held_[index];
   at::Tensor& target = first ? host.sum : host.incoming;
   if (!target.defined()) {
-    target = at::empty({numel_[index]}, offload_.staging_options().dtype(flat.scalar_type()));
+    target = at::empty({numel_[index]}, worker_->staging_options().dtype(flat.scalar_type()));
   }
   // The worker may still be adding into this bucket's buffers (the previous micro-batch's
   // addition; after discard(), one into the sum this copy overwrites): wait for it.
   wait_added(index);
   EventPool::Handle copied;
   {
-    const c10::Stream d2h = offload_.d2h_stream();
     std::optional<StreamScope> scope;
     if (on_gpu_) {
-      stream_wait(d2h, current_stream(flat.device()), *events_);
+      const c10::Stream d2h = worker_->d2h_stream();
+      stream_wait(d2h, current_stream(flat.device()), worker_->events());
       if (taken_[index]) taken_[index]->block(d2h);  // the last take() read the sum
       taken_[index].reset();
       scope.emplace(d2h);
     }
     target.copy_(flat, /*non_blocking=*/on_gpu_);
     if (on_gpu_) {
-      record_on_stream(flat, d2h);
-      copied = events_->record(d2h);
+      record_on_stream(flat, worker_->d2h_stream());
+      copied = worker_->events().record(worker_->d2h_stream());
     }
   }
   held_[index] = 1;
@@ -65,17 +66,20 @@ void HostAccumulator::add(size_t index, const at::Tensor& flat) {
   added_[index] = sequence;
   at::Tensor sum = first ? at::Tensor() : host.sum;
   at::Tensor incoming = first ? at::Tensor() : host.incoming;
-  const double delay = addition_delays_.empty()          ? offload_.step_delay()
+  const double delay = addition_delays_.empty()          ? worker_->delay()
                        : index < addition_delays_.size() ? addition_delays_[index]
                                                          : 0.0;
-  offload_.post_after(std::move(copied), [sum, incoming, done = done_, sequence, delay] {
+  HostWorker::Job job;
+  job.after = std::move(copied);
+  job.run = [sum, incoming, done = done_, sequence, delay] {
     if (delay > 0) std::this_thread::sleep_for(std::chrono::duration<double>(delay));
     if (sum.defined()) {
       at::NoGradGuard no_grad;
       sum.add_(incoming);
     }
-    done->store(sequence);  // (the worker runs the tasks in order)
-  });
+    done->store(sequence);  // (the worker runs the jobs in order)
+  };
+  worker_->post(std::move(job));
 }
 
 void HostAccumulator::wait_added(size_t index) {
@@ -85,7 +89,11 @@ void HostAccumulator::wait_added(size_t index) {
   // next forward (the steps submitted meanwhile are dropped: no step uses a partial sum).
   const int64_t added = added_[index];
   if (done_->load() >= added) return;
-  offload_.wait_until([&done = *done_, added] { return done.load() >= added; });
+  std::unique_lock<std::mutex> lock = worker_->lock();
+  // (not on an error alone: jobs posted after it still run; the failed job's queue was dropped)
+  worker_->wait(lock, [&done = *done_, added](const HostWorker::Status& status) {
+    return done.load() >= added || status.stopped || status.idle;
+  });
 }
 
 void HostAccumulator::take(size_t index, const at::Tensor& flat) {
@@ -95,7 +103,7 @@ void HostAccumulator::take(size_t index, const at::Tensor& flat) {
   if (on_gpu_) {
     const c10::Stream current = current_stream(flat.device());
     record_on_stream(flat, current);
-    taken_[index] = events_->record(current);
+    taken_[index] = worker_->events().record(current);
   }
   held_[index] = 0;
 }

@@ -1,4 +1,4 @@
-#include "run_stats.h"
+#include "iteration_timer.h"
 
 #include "streams.h"
 

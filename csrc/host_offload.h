@@ -1,6 +1,7 @@
-// HostOffload: offload_to_cpu. Optimizer state and float32 master weights live in host memory;
-// a worker thread steps them with the fused CPU kernels and writes the updated weights back to
-// the parameters.
+// HostOffload: offload_to_cpu's optimizer side. Optimizer state and float32 master weights live
+// in host memory; the HostWorker's thread (host_worker.h) steps them with the fused CPU kernels
+// and writes the updated weights back to the parameters. It creates that worker, and the
+// Reducer's HostAccumulator (host_accumulator.h) is its other client.
 //
 // Per bucket, the host holds two flat staging buffers in the bucket's dtype, pinned when the
 // parameters are on a GPU because they cross PCIe: `grads`, the averaged gradients copied from
@@ -12,7 +13,8 @@
 // memory, first touched by the worker thread that steps them.
 //
 // Data flow per bucket (Reducer::step_bucket calls submit()):
-//   1. on the device-to-host stream, which the caller made wait for the bucket's reduction: the
+//   1. on the worker's device-to-host stream, which the caller made wait for the bucket's
+//   reduction: the
 //      averaged gradients go to `grads` in one copy, and parameters changed since our last write
 //      (first step, a loaded checkpoint) are copied into their slots of `weights` (for float32
 //      that is the master itself; for bf16/fp16 the worker upcasts the slot into the master
@@ -20,9 +22,9 @@
 //      bucket's memory on that stream and releases it at once;
 //   2. the worker waits for that bucket's event only, steps the bucket's masters and state (for
 //      bf16/fp16 parameters the kernel upcasts the gradients and writes the rounded copy), and,
-//      on the host-to-device stream, copies `weights` to the device in one piece and scatters it
-//      into the parameters with one unflatten launch. The two copy streams are separate, so PCIe
-//      carries both directions at once.
+//      on the worker's host-to-device stream, copies `weights` to the device in one piece and
+//      scatters it into the parameters with one unflatten launch. The two copy streams are
+//      separate, so PCIe carries both directions at once.
 // With max_grad_norm, the worker accumulates each bucket's squared norm as it arrives and holds
 // the steps until end_iteration(): the global norm is then known and every gradient is scaled
 // by torch.nn.utils.clip_grad_norm_'s coefficient inside the step kernel. hold_steps() holds
@@ -45,32 +47,29 @@
 // the same pipeline runs, with synchronous copies.
 //
 // Threading: submit(), end_iteration() and the accessors run with InBackwardOptimizer's lock held
-// (inside backward the Reducer's too); HostAccumulator, this worker's other client, posts its
+// (inside backward the Reducer's too); HostAccumulator, the worker's other client, posts its
 // additions with the Reducer's lock only, and they never touch the optimizer, masters or
-// buffers. The worker takes neither lock. `sync_->mu` guards the queue and the worker's
-// results. The optimizer, masters and host buffers are touched by the worker only
-// while jobs are queued or running, and by the other methods only after wait() (or before the
-// first job of an iteration, for the buffers and masters of a submitted bucket).
+// buffers. The worker's jobs take neither lock. The worker's lock guards the queue and what the
+// steps publish (the buckets stepped, their copies back, the counters). The optimizer, masters
+// and host buffers are touched by the worker only while steps are queued or running, and by the
+// other methods only after wait() (or before the first job of an iteration, for the buffers and
+// masters of a submitted bucket).
 #pragma once
 
 #include "bucket.h"
-#include "fused_optim.h"
+#include "fused_optimizer.h"
+#include "host_worker.h"
 #include "shard.h"
 #include "streams.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
 #include <atomic>
-#include <condition_variable>
-#include <deque>
-#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <thread>
 #include <vector>
 
 namespace leanddp {
@@ -100,12 +99,12 @@ struct OffloadStats {
 class HostOffload {
  public:
   // `params`: the Reducer's parameters (all can_step for `optimizer`, which was built with
-  // on_host). Starts the worker thread.
+  // on_host). Starts its worker (options.threads).
   HostOffload(std::vector<at::Tensor> params, std::unique_ptr<FusedOptimizer> optimizer,
               OffloadOptions options);
   // Stops the worker after the jobs already queued (the updates of a finished backward: dropping
-  // them would lose a step), then joins it. Buckets held for an unfinished iteration are dropped.
-  // Safe on any thread, including the worker itself (see shutdown()).
+  // them would lose a step), then joins it (HostWorker::shutdown(): safe on any thread, the
+  // worker's too). Buckets held for an unfinished iteration are dropped.
   ~HostOffload();
   HostOffload(const HostOffload&) = delete;
   HostOffload& operator=(const HostOffload&) = delete;
@@ -113,15 +112,10 @@ class HostOffload {
   // The buckets' layout (params, offsets, numel; storage unused): once before the first submit.
   // `shards` (sharded; else empty): this rank's shard of each bucket, given to the optimizer too.
   void set_layout(const std::vector<Bucket>& buckets, std::vector<ShardLayout> shards = {});
-  // GPU: the stream the device-to-host copies run on (the caller orders it after a bucket's
-  // reduction before submit(), and records the bucket's memory on it before releasing it).
-  c10::Stream d2h_stream() const { return *d2h_stream_; }
-  // GPU: the stream the copies back to the device run on.
-  c10::Stream h2d_stream() const { return *h2d_stream_; }
-  // Whether the parameters live on a device that runs apart (the copies are asynchronous).
-  bool on_gpu() const { return on_gpu_; }
-  // Host memory that crosses PCIe: pinned on a GPU.
-  const at::TensorOptions& staging_options() const { return staging_options_; }
+  // The worker, shared with the Reducer's HostAccumulator. Its streams (GPU): the caller orders
+  // the device-to-host stream after a bucket's reduction before submit(), and records the
+  // bucket's memory on it before releasing it; the copies back run on the host-to-device one.
+  const std::shared_ptr<HostWorker>& worker() const { return worker_; }
   // Bucket `index` holds its averaged gradients (`bucket.flat`): queues its host step for the
   // members whose `mask[slot]` is set. On a GPU the d2h stream must be ordered after the
   // reduction of the bucket (see d2h_stream()); after it returns the bucket may be released.
@@ -170,33 +164,11 @@ class HostOffload {
   // The buckets were rebuilt (worker idle): state and float32 masters move to the new layout,
   // the other host buffers are dropped.
   void relayout(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);
-  // Stops the worker for good (see the destructor); later submits are dropped. Idempotent.
-  // Called on the worker thread itself (the last reference to the owner dropped by something
-  // the worker released, e.g. a job's tensors), it cannot join: it detaches the thread instead.
-  // Detaching is safe because the worker touches nothing of this object after it drops a job:
-  // it re-takes only `sync_` (which it co-owns), sees `stop`, and returns. A join deferred to
-  // some other thread would need an owner that outlives this object, which nothing provides.
-  // A detached worker ends within the job it is in; the process never waits for it.
-  void shutdown();
-  // Runs `task` on the worker after the jobs queued before it (no step, no copy). Used by tests
-  // to drop the last reference to this object on the worker thread.
-  void post(std::function<void()> task);
-  // Runs `task` on the worker after the jobs queued before it, once `copied` (if any) is done:
-  // HostAccumulator's additions.
-  void post_after(EventPool::Handle copied, std::function<void()> task);
-  // Blocks until `done()` holds, asked whenever the worker finished a job (and first), or the
-  // worker is idle or stopped (no stream ordering; an error stays for wait()). The jobs queued
-  // after the one that makes `done()` hold are not waited for.
-  void wait_until(const std::function<bool()>& done);
+  // Stops the worker for good (HostWorker::shutdown(); the accumulator's later additions are
+  // dropped too); later submits are dropped. Idempotent.
+  void shutdown() { worker_->shutdown(); }
   // From now on (before the first submit) steps wait for end_iteration(), as with clipping.
   void hold_steps() { hold_ = true; }
-  // Tests: the worker sleeps `seconds` before each step, and each HostAccumulator addition,
-  // from now on (0: not).
-  void delay_steps(double seconds) { step_delay_ = seconds; }
-  double step_delay() const { return step_delay_; }
-  // Tests, under host ordering (streams.h): the copies back run `seconds` after the worker
-  // queued them, on the host-to-device stream's own thread, as a GPU's may.
-  void delay_copies_back(double seconds);
 
   // Worker idle (after wait(true)) for the rest.
   FusedOptimizer& optimizer() { return *optimizer_; }
@@ -212,23 +184,17 @@ class HostOffload {
   // by others.
   void adopt_masters();
   int64_t generation() const { return generation_; }
-  // GPU: CUDA events created so far (pooled).
-  int64_t events_created() const { return events_ ? events_->created() : 0; }
   OffloadStats stats() const;
 
  private:
-  struct Job {
+  // A bucket's step, queued on the worker by submit().
+  struct Step {
     size_t index = 0;
     Bucket layout;  // params/offsets/numel (no storage)
     std::vector<char> mask;
-    std::vector<char> refresh;   // low-precision slots whose master is read from `weights` first
-    at::Tensor grads;            // the gradients, on the host
-    EventPool::Handle copied;    // GPU: the copies to the host are done
-    std::function<void()> task;  // post(): run instead of a step
-    int64_t sequence = 0;        // (a step) submit()'s count, in submission order
-    bool end = false;            // marks the end of an iteration
-    bool completed = true;       // (end) false: the iteration was abandoned
-    std::optional<double> sum_squares;  // (end) clipping's total over every rank
+    std::vector<char> refresh;  // low-precision slots whose master is read from `weights` first
+    at::Tensor grads;           // the gradients, on the host
+    int64_t sequence = 0;       // submit()'s count, in submission order
   };
   // One bucket's host buffers (see the top of this file), allocated at its first submit.
   struct HostBucket {
@@ -237,30 +203,24 @@ class HostOffload {
     at::Tensor masters;  // bf16/fp16 buckets: float32, ordinary memory
   };
 
-  // Waits on the worker's condition until `ready()` holds (under `lock`, of sync_->mu); the
-  // time is added to stats_.wait_seconds only where the caller was blocked (ready() false at
-  // first), so that a wait with nothing to wait for counts nothing.
-  void block_until(std::unique_lock<std::mutex>& lock, const std::function<bool()>& ready);
+  // Blocks (with `lock`, the worker's, held) until `ready()` holds, asked whenever a job finished
+  // (and first); the time is added to stats_.wait_seconds only where the caller was blocked
+  // (ready() false at first), so that a wait with nothing to wait for counts nothing.
+  void block_until(std::unique_lock<std::mutex>& lock,
+                   const std::function<bool(const HostWorker::Status&)>& ready);
 
-  // The synchronization the worker shares with its owner: co-owned by the worker thread, so it
-  // outlives this object if the worker is the one destroying it (see shutdown()).
-  struct Sync {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool busy = false;  // the worker is processing a job (queue_ guarded by mu too)
-    bool stop = false;  // shutdown() was called: the worker returns at its next look
-  };
-
-  void run_worker(const std::shared_ptr<Sync>& sync);
-  void process(Job& job);
-  void step_job(const Job& job, std::optional<double> grad_scale);
-  // The updated `weights` of the job's bucket into the parameters of the slots it stepped.
-  void copy_back(const Job& job, const at::Tensor& weights);
+  // On the worker: a step arrived (its copies to the host done): stepped now, or held.
+  void process(Step& step);
+  void step_job(const Step& step, std::optional<double> grad_scale);
+  // The updated `weights` of the step's bucket into the parameters of the slots it stepped.
+  void copy_back(const Step& step, const at::Tensor& weights);
   void finish_iteration(bool completed, std::optional<double> total);
-  // A step job dropped unstepped (with sync_->mu held): its bucket is no longer pending
-  // (`settle` of its bucket and sequence; other jobs are ignored).
-  void settle_dropped(const Job& job);
+  // Bucket `index`'s submit number `sequence` is no longer pending: stepped, or dropped unstepped
+  // (the worker's lock held).
   void settle(size_t index, int64_t sequence);
+  // The worker's error, taken: the held steps are dropped with it (the worker ran no step
+  // since it, none being queued while it is held).
+  std::exception_ptr take_error();
   bool low_precision(size_t p) const { return params_[p].scalar_type() != at::kFloat; }
   bool holds() const { return hold_ || options_.max_grad_norm.has_value(); }
   // Parameter p's master, allocated at first use: a view into its bucket's `weights` (float32)
@@ -286,14 +246,9 @@ class HostOffload {
   std::vector<at::Tensor> params_;
   std::unique_ptr<FusedOptimizer> optimizer_;
   OffloadOptions options_;
-  bool on_gpu_ = false;
-  bool hold_ = false;                  // steps wait for end_iteration() (hold_steps())
-  std::atomic<double> step_delay_{0};  // delay_steps()
-  // GPU only: one stream each way, and the events that mark the copies to the host.
-  std::optional<c10::Stream> d2h_stream_;
-  std::optional<c10::Stream> h2d_stream_;
-  std::unique_ptr<EventPool> events_;
-  at::TensorOptions staging_options_;  // host memory copied to or from a GPU: pinned there
+  std::shared_ptr<HostWorker> worker_;
+  bool on_gpu_ = false;  // worker_->on_gpu()
+  bool hold_ = false;    // steps wait for end_iteration() (hold_steps())
 
   // The buckets' layout (set_layout, relayout) and, per parameter, its (bucket, slot).
   std::vector<Bucket> layout_;
@@ -311,22 +266,20 @@ class HostOffload {
   // the caller's thread (loads, reads), hence atomic.
   std::atomic<int64_t> generation_{0};
 
-  // The worker's queue and results, guarded by sync_->mu.
-  std::shared_ptr<Sync> sync_ = std::make_shared<Sync>();
-  std::deque<Job> queue_;
-  std::exception_ptr error_;
-  OffloadStats stats_;     // counters (the byte counts are filled in by stats())
-  std::vector<Job> held_;  // clipping: stepped once the norm is known
-  // wait_stepped(): per bucket, the sequence of its last submit (the caller's, under the
-  // Reducer's lock); per bucket the last sequence stepped, or dropped unstepped (an abandoned
-  // iteration, an error), and, GPU, its last copy back (mu). (Per bucket: last_bucket_first
-  // steps the jobs out of submission order.)
+  // Guarded by the worker's lock: the counters (the byte counts are filled in by stats()), and
+  // for wait_stepped(), per bucket the sequence of its last submit (written by the caller, under
+  // InBackwardOptimizer's lock), the last sequence stepped or dropped unstepped (an abandoned
+  // iteration, an error), and, GPU, its last copy back. (Per bucket: last_bucket_first steps
+  // the buckets out of submission order.)
+  OffloadStats stats_;
   int64_t submitted_ = 0;
   std::vector<int64_t> last_submit_;
   std::vector<int64_t> stepped_;
   std::vector<std::shared_ptr<const PooledEvent>> copied_back_;  // (shared: waited for unlocked)
+  // The worker's own (steps held for clipping or the NaN check, and the sum of their squared
+  // norms; read by the caller only while the worker is idle or failed).
+  std::vector<Step> held_;
   double sum_squares_ = 0;  // clipping: of the buckets of this iteration so far
-  std::thread worker_;
 };
 
 }  // namespace leanddp

@@ -1,4 +1,4 @@
-#include "fused_optim.h"
+#include "fused_optimizer.h"
 
 #include "ops/cpu_kernels.h"  // adam_tail_start
 

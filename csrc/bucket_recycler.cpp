@@ -1,4 +1,4 @@
-#include "recycler.h"
+#include "bucket_recycler.h"
 
 #include <c10/util/Exception.h>
 

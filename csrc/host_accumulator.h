@@ -4,9 +4,11 @@
 // this class) keeps them on the device, summed in place, until the synchronized micro-batch. So
 // with accumulation every bucket stays on the device across the micro-batches. Here instead,
 // as soon as a bucket's gradients of a no_sync() micro-batch are complete, the Reducer flattens
-// them into the bucket and hands it to add(): one flat copy on HostOffload's device-to-host
-// stream into a host buffer, summed into the bucket's host sum by HostOffload's worker, and the
-// device bucket is released. The device holds no gradient between micro-batches.
+// them into the bucket and hands it to add(): one flat copy on the HostWorker's device-to-host
+// stream (host_worker.h) into a host buffer, summed into the bucket's host sum by that worker,
+// and the device bucket is released. The worker is the one the optimizer's HostOffload steps
+// on: one queue, so a bucket's additions run before its step. The device holds no gradient
+// between micro-batches.
 //
 // On the synchronized micro-batch, at the launch of a bucket that holds a host sum (allocated
 // then, as without accumulation), the Reducer makes stream() current (on a GPU, after the
@@ -29,7 +31,7 @@
 // once to the device per synchronized step.
 //
 // Threading: every method runs on the Reducer's threads with its lock held; the worker runs the
-// additions (HostOffload::post_after), in order. The host does wait here, inside backward:
+// additions (HostWorker::post), in order. The host does wait here, inside backward:
 // before a bucket's buffers are written again (its next add(), or its take()), if that bucket's
 // last addition is not done yet, the caller blocks until it is (on a GPU that addition first
 // waits for its copy to the host, so the host then waits for the device to reach that copy).
@@ -40,7 +42,7 @@
 #pragma once
 
 #include "bucket.h"
-#include "offload.h"
+#include "host_worker.h"
 #include "streams.h"
 
 #include <ATen/ATen.h>
@@ -54,8 +56,8 @@ namespace leanddp {
 
 class HostAccumulator {
  public:
-  // `offload` (outlives this object): its streams and worker. `buckets`: the layout.
-  HostAccumulator(HostOffload& offload, const std::vector<Bucket>& buckets);
+  // `worker`: its streams and thread (shared with the offload optimizer). `buckets`: the layout.
+  HostAccumulator(std::shared_ptr<HostWorker> worker, const std::vector<Bucket>& buckets);
   // The buckets were rebuilt (no sum may be held then: the rebuild follows a synchronized step).
   void set_layout(const std::vector<Bucket>& buckets);
   // Bucket `index`'s `flat` holds this micro-batch's local gradients (on a GPU, final on the
@@ -64,8 +66,8 @@ class HostAccumulator {
   void add(size_t index, const at::Tensor& flat);
   // Whether bucket `index` holds a host sum.
   bool holds(size_t index) const { return held_[index] != 0; }
-  // GPU: the stream take() and what follows it run on (HostOffload's host-to-device stream).
-  c10::Stream stream() const { return offload_.h2d_stream(); }
+  // GPU: the stream take() and what follows it run on (the worker's host-to-device stream).
+  c10::Stream stream() const { return worker_->h2d_stream(); }
   // Bucket `index` (holds()) was allocated as `flat`: its sum is copied into it on the current
   // stream (stream() on a GPU, which the caller made wait for the compute stream) and consumed.
   void take(size_t index, const at::Tensor& flat);
@@ -76,10 +78,8 @@ class HostAccumulator {
   // Host bytes of the sums and incoming buffers, and of those the pinned ones.
   int64_t host_bytes() const { return bytes(/*pinned_only=*/false); }
   int64_t pinned_bytes() const { return bytes(/*pinned_only=*/true); }
-  // GPU: CUDA events created so far (pooled).
-  int64_t events_created() const { return events_ ? events_->created() : 0; }
   // Tests: the worker sleeps `seconds[b]` before each addition of bucket b from now on (empty:
-  // HostOffload's step delay, as before).
+  // the worker's delay, HostWorker::delay_jobs()).
   void delay_additions(std::vector<double> seconds) { addition_delays_ = std::move(seconds); }
 
  private:
@@ -92,10 +92,9 @@ class HostAccumulator {
   // worker's later jobs.
   void wait_added(size_t index);
 
-  HostOffload& offload_;
+  std::shared_ptr<HostWorker> worker_;
   bool on_gpu_;
-  std::unique_ptr<EventPool> events_;  // GPU
-  std::vector<int64_t> numel_;         // per bucket
+  std::vector<int64_t> numel_;  // per bucket
   std::vector<HostBuffers> host_;
   std::vector<char> held_;
   // GPU, per bucket: its last take()'s copy, which reads the sum the next add() overwrites.
