@@ -9,10 +9,12 @@
 #include "streams.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <chrono>
 #include <future>
 #include <map>
 #include <mutex>
@@ -60,30 +62,45 @@ void bind_step_window(py::module_& m) {
 }
 
 // For tests: a HostOffload over one CPU parameter whose worker thread drops the last reference to
-// it, so that its destructor (and shutdown()) run on the worker itself. Returns whether the
-// destructor ran on another thread than the caller's, after it completed.
-bool offload_released_on_worker() {
+// it, so that its destructor (and shutdown()) run on the worker itself: as a finished job, or,
+// `after_error`, as a job the worker drops because the one before it raised. Returns whether the
+// destructor ran on another thread than the caller's, after it completed (false if it had not
+// within 20 seconds).
+bool offload_released_on_worker(bool after_error) {
   at::Tensor param = at::zeros({4});
   std::vector<at::Tensor> params{param};
   auto fused = std::make_unique<leanddp::FusedOptimizer>(
       leanddp::OptimKind::kSgd, params, std::vector<int64_t>{0},
       std::vector<leanddp::OptimHyper>(1), c10::Device(c10::kCPU), /*on_host=*/true);
-  std::promise<std::thread::id> destroyed;
-  std::future<std::thread::id> destroyed_on = destroyed.get_future();
+  auto destroyed = std::make_shared<std::promise<std::thread::id>>();
+  std::future<std::thread::id> destroyed_on = destroyed->get_future();
   std::shared_ptr<leanddp::HostOffload> owner(
       new leanddp::HostOffload(params, std::move(fused), leanddp::OffloadOptions{}),
-      [&destroyed](leanddp::HostOffload* offload) {
+      [destroyed](leanddp::HostOffload* offload) {
         delete offload;
-        destroyed.set_value(std::this_thread::get_id());
+        destroyed->set_value(std::this_thread::get_id());
       });
   std::promise<void> released;
   std::shared_future<void> caller_released = released.get_future().share();
-  // The task holds a reference until the worker drops the finished job, after ours is gone.
-  leanddp::HostWorker::Job job;
-  job.run = [keep = owner, caller_released] { caller_released.wait(); };
-  owner->worker()->post(std::move(job));
+  const std::shared_ptr<leanddp::HostWorker> worker = owner->worker();
+  leanddp::HostWorker::Job first;
+  if (after_error) {  // raises once ours is gone: the worker drops the job queued behind it
+    first.run = [caller_released] {
+      caller_released.wait();
+      TORCH_CHECK(false, "offload_released_on_worker: the job that raises");
+    };
+  } else {  // holds a reference until the worker drops the finished job, after ours is gone
+    first.run = [keep = owner, caller_released] { caller_released.wait(); };
+  }
+  worker->post(std::move(first));
+  if (after_error) {
+    leanddp::HostWorker::Job second;
+    second.run = [keep = owner] {};
+    worker->post(std::move(second));
+  }
   owner.reset();
   released.set_value();
+  if (destroyed_on.wait_for(std::chrono::seconds(20)) != std::future_status::ready) return false;
   return destroyed_on.get() != std::this_thread::get_id();
 }
 
@@ -150,10 +167,11 @@ void bind_testing(py::module_& m) {
       py::arg("bucket_numel"), py::arg("align"), py::arg("sources"),
       "pack_shard then gather_shards (csrc/shard.h) of the padded bucket `flat`, "
       "waited for.");
-  t.def("offload_released_on_worker", &offload_released_on_worker,
+  t.def("offload_released_on_worker", &offload_released_on_worker, py::arg("after_error") = false,
         py::call_guard<py::gil_scoped_release>(),
         "an offload worker that drops the last reference to its owner (its "
-        "destructor runs on the worker thread); True once it completed there.");
+        "destructor runs on the worker thread), in a finished job or, after_error, in one it "
+        "drops after an error; True once it completed there.");
   t.def(
       "parallel_threads",
       [] {

@@ -185,7 +185,8 @@ void HostOffload::wait_stepped(size_t index) {
 void HostOffload::wait(bool host_too) {
   {
     std::unique_lock<std::mutex> lock = worker_->lock();
-    block_until(lock, [](const HostWorker::Status& status) { return status.idle; });
+    block_until(lock,
+                [](const HostWorker::Status& status) { return status.idle || status.stopped; });
   }
   // (the worker is idle; the only other client, the accumulator, queues additions inside
   // backward, never while its owner waits here)
@@ -198,14 +199,12 @@ void HostOffload::follow_copies(bool host_too) {
 }
 
 std::exception_ptr HostOffload::take_error() {
-  std::exception_ptr error = worker_->take_error();
-  if (!error) return error;
   // (no step ran since the error: none is queued while it is held, and the queue was dropped)
-  const std::unique_lock<std::mutex> lock = worker_->lock();
-  for (const Step& dropped : held_) settle(dropped.index, dropped.sequence);
-  held_.clear();
-  sum_squares_ = 0;
-  return error;
+  return worker_->take_error([this] {
+    for (const Step& dropped : held_) settle(dropped.index, dropped.sequence);
+    held_.clear();
+    sum_squares_ = 0;
+  });
 }
 
 void HostOffload::order_after_copies(bool host_too) {

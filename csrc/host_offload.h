@@ -14,12 +14,11 @@
 //
 // Data flow per bucket (Reducer::step_bucket calls submit()):
 //   1. on the worker's device-to-host stream, which the caller made wait for the bucket's
-//   reduction: the
-//      averaged gradients go to `grads` in one copy, and parameters changed since our last write
-//      (first step, a loaded checkpoint) are copied into their slots of `weights` (for float32
-//      that is the master itself; for bf16/fp16 the worker upcasts the slot into the master
-//      before the step); an event from the pool marks the copies; the caller records the device
-//      bucket's memory on that stream and releases it at once;
+//      reduction: the averaged gradients go to `grads` in one copy, and parameters changed
+//      since our last write (first step, a loaded checkpoint) are copied into their slots of
+//      `weights` (for float32 that is the master itself; for bf16/fp16 the worker upcasts the
+//      slot into the master before the step); an event from the pool marks the copies; the
+//      caller records the device bucket's memory on that stream and releases it at once;
 //   2. the worker waits for that bucket's event only, steps the bucket's masters and state (for
 //      bf16/fp16 parameters the kernel upcasts the gradients and writes the rounded copy), and,
 //      on the worker's host-to-device stream, copies `weights` to the device in one piece and
@@ -118,7 +117,7 @@ class HostOffload {
   const std::shared_ptr<HostWorker>& worker() const { return worker_; }
   // Bucket `index` holds its averaged gradients (`bucket.flat`): queues its host step for the
   // members whose `mask[slot]` is set. On a GPU the d2h stream must be ordered after the
-  // reduction of the bucket (see d2h_stream()); after it returns the bucket may be released.
+  // reduction of the bucket (see worker()); after it returns the bucket may be released.
   void submit(size_t index, const Bucket& bucket, const std::vector<char>& mask);
   // Every bucket of this synchronized backward was submitted (clipping may now step them); or,
   // if not `completed`, the backward failed: buckets held for clipping are dropped unstepped.

@@ -36,6 +36,9 @@ HostWorker::~HostWorker() { shutdown(); }
 
 void HostWorker::shutdown() {
   const bool on_worker = thread_.get_id() == std::this_thread::get_id();
+  // Destroyed last, unlocked: a job may own the last reference to a client, or to this object
+  // (on the worker, after the thread is detached; nothing of this object is touched then).
+  std::deque<Job> gone;
   {
     std::unique_lock<std::mutex> lock(sync_->mu);
     // The wrapper may be collected right after a backward (a framework's teardown): its queued
@@ -44,7 +47,7 @@ void HostWorker::shutdown() {
       sync_->cv.wait(lock, [&] { return sync_->stop || (queue_.empty() && !sync_->busy); });
     }
     sync_->stop = true;
-    queue_.clear();
+    gone.swap(queue_);
   }
   sync_->cv.notify_all();
   if (!thread_.joinable()) return;
@@ -94,9 +97,15 @@ void HostWorker::wait(std::unique_lock<std::mutex>& lock,
   sync_->cv.wait(lock, [&] { return ready(status()); });
 }
 
-std::exception_ptr HostWorker::take_error() {
-  std::lock_guard<std::mutex> lock(sync_->mu);
-  return std::exchange(error_, nullptr);
+std::exception_ptr HostWorker::take_error(const std::function<void()>& then) {
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    error = std::exchange(error_, nullptr);
+    if (error && then) then();
+  }
+  if (error) sync_->cv.notify_all();
+  return error;
 }
 
 double HostWorker::busy_seconds() const {
@@ -150,17 +159,24 @@ void HostWorker::run(const std::shared_ptr<Sync>& sync, int threads) {
     job = Job();
     lock.lock();
     if (sync->stop) return;
-    sync->busy = false;
-    busy_seconds_ +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (error) {
       error_ = error;
       if (dropped) dropped();
       for (const Job& queued : queue_) {
         if (queued.dropped) queued.dropped();
       }
-      queue_.clear();
+      std::deque<Job> gone;
+      gone.swap(queue_);
+      // Destroyed unlocked, as `job` above: a dropped job may own the last reference to a client
+      // or to this object, whose shutdown() takes the lock.
+      lock.unlock();
+      gone.clear();
+      lock.lock();
+      if (sync->stop) return;
     }
+    sync->busy = false;
+    busy_seconds_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     sync->cv.notify_all();
   }
 }

@@ -12,8 +12,8 @@
 //
 // Errors: a job that raises stops nothing; the error is kept for a client to take
 // (take_error()), and the jobs queued at that moment are dropped (each told so through its
-// `dropped`, with the lock held). Jobs posted later run, except those posted `drop_if_failed`
-// while the error is held.
+// `dropped`, with the lock held, then destroyed without it). Jobs posted later run, except those
+// posted `drop_if_failed` while the error is held.
 //
 // Threading: every method may be called from any thread. The worker's lock (lock()) guards its
 // queue and status, and also the state its clients' jobs publish (which bucket was stepped, what
@@ -104,8 +104,10 @@ class HostWorker {
   void wait(std::unique_lock<std::mutex>& lock, const std::function<bool(const Status&)>& ready);
   // Wakes the waiters of wait(), after a client changed the state it publishes (lock released).
   void notify() { sync_->cv.notify_all(); }
-  // The error a job raised, taken (null if none); the jobs queued then were dropped.
-  std::exception_ptr take_error();
+  // The error a job raised, taken (null if none); the jobs queued then were dropped. `then`, if
+  // given, runs with the lock held when an error is taken (a client dropping what the error
+  // left), and the waiters are woken after it.
+  std::exception_ptr take_error(const std::function<void()>& then = {});
   // Seconds the worker spent running jobs (including waiting for their events).
   double busy_seconds() const;
 

@@ -486,15 +486,18 @@ def test_parameters_are_current_after_optimizer_step() -> None:
     run_ranks(2, _read_after_step)
 
 
-def test_released_on_its_own_worker_thread() -> None:
+@pytest.mark.parametrize("after_error", [False, True])
+def test_released_on_its_own_worker_thread(after_error: bool) -> None:
     """The last reference to the host side dropped by its worker thread (its destructor runs
     there and cannot join itself): the process goes on and exits cleanly, where a joinable
-    std::thread destroyed on its own thread would abort it."""
+    std::thread destroyed on its own thread would abort it. After an error the reference goes
+    with a job the worker drops, which must not be destroyed under the worker's lock (the
+    destructor's shutdown takes it: a deadlock)."""
     script = textwrap.dedent(
-        """
+        f"""
         from leanddp import _C
         for _ in range(20):
-            assert _C._testing.offload_released_on_worker()
+            assert _C._testing.offload_released_on_worker(after_error={after_error})
         print("released")
         """
     )
