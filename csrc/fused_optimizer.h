@@ -19,8 +19,8 @@
 // the state lives in ordinary host memory (it never crosses PCIe), float32 whatever
 // the parameters' dtype, and the caller says what is stepped (StepTargets).
 //
-// Not thread-safe: one thread at a time (the Reducer with its lock held, or HostOffload's worker
-// while the Reducer waits for it before touching the optimizer).
+// Not thread-safe: one thread at a time (InBackwardOptimizer with its lock held, or the host
+// worker running HostOffload's steps while the optimizer waits for it before touching this).
 #pragma once
 
 #include "bucket.h"
