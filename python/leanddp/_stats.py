@@ -9,10 +9,11 @@ worker's (``_C.InBackwardOptimizer.stats()``). The keys and their meanings are d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
+from torch import Tensor, nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 if TYPE_CHECKING:
     from ._extension import _C
@@ -20,6 +21,28 @@ if TYPE_CHECKING:
 
 #: offload_stats()'s keys, in its order (the host worker's counters of the same names)
 OFFLOAD_KEYS = ("iterations", "buckets", "step_seconds", "wait_seconds", "grad_norm")
+
+
+def storage_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (empty ones aside). A tensor subclass
+    that wraps others (torchao's low-bit optimizer state: its codes and scales) has no storage of
+    its own: the tensors it wraps are counted, recursively."""
+    seen: dict[tuple[str, int], int] = {}
+    for tensor in tensors:
+        for plain in _plain_tensors(tensor):
+            if plain.numel() > 0:
+                storage = plain.untyped_storage()
+                seen[(str(plain.device), storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _plain_tensors(tensor: Tensor) -> Iterator[Tensor]:
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        for name in names:
+            yield from _plain_tensors(getattr(tensor, name))
+    else:
+        yield tensor
 
 
 def memory_stats(

@@ -20,7 +20,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -29,6 +29,7 @@ from torch import nn
 
 import leanddp
 from leanddp._lifetime import leave
+from leanddp._stats import storage_bytes
 from leanddp.bench._model import SIZES, TinyGPT, batches, loss_of
 
 
@@ -122,18 +123,9 @@ def train_step(
     return total
 
 
-def storages_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors``."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
 def state_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of the distinct storages behind the optimizer's state."""
-    return storages_bytes(
+    return storage_bytes(
         v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
     )
 
@@ -144,7 +136,7 @@ def measure(
     """One more step that measures gradients, buckets and optimizer state (bytes, rank 0)."""
     wrapper, _, in_backward, offload, _, _ = CONFIGS[name]
     params = [p for p in ddp.module.parameters() if p.requires_grad]
-    out = {"parameters": storages_bytes(params), "host": 0}
+    out = {"parameters": storage_bytes(params), "host": 0}
     if wrapper == "torch":
 
         def probe() -> None:  # gradients are complete: torch's buckets live for the whole run
@@ -152,7 +144,7 @@ def measure(
             out["buckets"] = sum(int(b) for b in str(buckets).split(",") if b.strip())
             grads = [p.grad for p in params if p.grad is not None]
             # with views, param.grad lies inside a bucket: only storages beyond those count
-            out["gradients"] = 0 if ddp.gradient_as_bucket_view else storages_bytes(grads)
+            out["gradients"] = 0 if ddp.gradient_as_bucket_view else storage_bytes(grads)
 
         train_step(ddp, opt, batch, accum, probe)
         assert opt is not None  # (torch's DDP: the loop steps the optimizer)

@@ -10,15 +10,15 @@ loading checkpoints and adopted entries into it.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .._extension import _C
+from .._stats import storage_bytes
 from ._checks import build_optimizer, check_fused, check_scaler, fail, fused_kind
 from ._clipping import guard_clipping
 from ._facade import base_class, make_facade
@@ -279,27 +279,10 @@ class InBackward:
             assert self.core is not None  # (called by the wrapper's memory_stats)
             return int(self.core.memory_stats().state_bytes)
         self.sync_state()
-        seen: dict[tuple[str, int], int] = {}
-        for entry in self.optimizer.__dict__["state"].values():
-            for key, value in entry.items():
-                if key == "master_weight":  # counted as master weights, not state
-                    continue
-                if not isinstance(value, Tensor):
-                    continue
-                for inner in _plain_tensors(value):
-                    if inner.numel() > 0:
-                        storage = inner.untyped_storage()
-                        seen[(str(inner.device), storage.data_ptr())] = storage.nbytes()
-        return sum(seen.values())
-
-
-def _plain_tensors(value: Tensor) -> Iterator[Tensor]:
-    """The tensors holding ``value``'s bytes: ``value`` itself, or, for a tensor subclass that
-    wraps others (torchao's low-bit optimizer state: its codes and scales), those, recursively.
-    A wrapper has no storage of its own to count."""
-    if is_traceable_wrapper_subclass(value):
-        names, _ = value.__tensor_flatten__()
-        for name in names:
-            yield from _plain_tensors(getattr(value, name))
-    else:
-        yield value
+        return storage_bytes(
+            value
+            for entry in self.optimizer.__dict__["state"].values()
+            for key, value in entry.items()
+            # (master weights are counted as such, not as state)
+            if key != "master_weight" and isinstance(value, Tensor)
+        )
