@@ -10,23 +10,31 @@ Copy it and replace the model and the data. Run on CPU (gloo) or on GPUs (NCCL, 
 
 ``--plan`` prints the planner's table (``python -m leanddp.plan``: memory per rank of every
 configuration, and whether it fits) before training. ``--checkpoint PATH`` saves the model,
-optimizer, LR scheduler and step there at the end (and every ``--save-every`` steps);
-``--resume`` continues from it, and the resumed run takes the same steps on the same data as a
-run that never stopped. ``--torch-ddp`` trains with torch's own DDP instead, for comparison.
+optimizer, LR scheduler and step there at the end (and every ``--save-every`` steps), and a run
+whose checkpoint exists continues from it: the same command line resumes after a crash, also
+under ``torchrun --max-restarts N``, and the resumed run takes the same steps on the same data
+as a run that never stopped, bit for bit. A save never leaves a broken checkpoint behind: a rank
+killed while saving leaves the previous one to resume from. ``--checkpoint-format dcp`` saves
+through ``torch.distributed.checkpoint`` instead of one gathered file: every rank writes its own
+part (with ``--shard``, only its shard of the optimizer state). ``--torch-ddp`` trains with
+torch's own DDP instead, for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import math
 import os
+import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import leanddp
@@ -90,9 +98,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--offload", action="store_true", help="offload_to_cpu (implies in-backward)")
     p.add_argument("--shard", action="store_true", help="shard_optimizer_state (in-backward)")
     p.add_argument("--torch-ddp", action="store_true", help="torch's DDP instead, to compare")
-    p.add_argument("--checkpoint", type=Path, default=None, help="save here (and resume from)")
+    p.add_argument("--checkpoint", type=Path, default=None, help="save here; resume if it exists")
+    p.add_argument(
+        "--checkpoint-format", choices=["file", "dcp"], default="file",
+        help="file: one file, gathered on rank 0; dcp: a folder, torch.distributed.checkpoint",
+    )  # fmt: skip
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--resume", action="store_true", help="fail unless --checkpoint exists")
+    p.add_argument("--loss-log", type=Path, default=None, help="append each step's loss here")
     p.add_argument("--plan", action="store_true", help="print the memory plan first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=5)
@@ -132,18 +145,127 @@ def wrap(model: nn.Module, args: argparse.Namespace, device: torch.device):
     return ddp, ddp.optimizer  # step() makes the updates visible; zero_grad() does nothing
 
 
-def save(path: Path, step: int, ddp, opt, scheduler) -> None:
-    """Every rank calls it: a sharded optimizer's state_dict() gathers every rank's shards."""
-    state = {
-        "step": step,
+def sync_to_disk(path: Path) -> None:
+    """Flushes a written file (or a folder's entries) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(args: argparse.Namespace, step: int, ddp, opt, scheduler) -> None:
+    """Every rank calls it. A checkpoint appears whole or not at all: the new one is written
+    beside the last, and a rename (atomic) makes it the one a restart finds."""
+    path = args.checkpoint
+    if args.checkpoint_format == "file":
+        state = {
+            "step": step,
+            "model": ddp.module.state_dict(),
+            "optimizer": opt.state_dict(),  # a sharded optimizer gathers every rank's shards
+            "scheduler": scheduler.state_dict(),
+        }
+        if dist.get_rank() == 0:
+            part = path.with_name(path.name + ".part")
+            torch.save(state, part)
+            sync_to_disk(part)
+            part.replace(path)
+            sync_to_disk(path.parent)
+        dist.barrier()
+        return
+    # dcp: a folder per save under `path`, and `path/latest` naming the last complete one. dcp
+    # writes the tensors, every rank its part; the rest (step, scheduler, a replicated
+    # optimizer's param groups) goes beside them in one small file.
+    sharded = sharded_optimizer(args, ddp)
+    optimizer = opt.state_dict() if sharded is None else {}
+    tensors = {
         "model": ddp.module.state_dict(),
-        "optimizer": opt.state_dict(),
-        "scheduler": scheduler.state_dict(),
+        "optimizer": sharded if sharded is not None else {"state": optimizer["state"]},
     }
-    if dist.get_rank() == 0:
-        torch.save(state, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
+    rest = {
+        "step": step,
+        "scheduler": scheduler.state_dict(),
+        "param_groups": optimizer.get("param_groups"),
+    }
+    name = f"step-{step:08d}"
+    if dist.get_rank() == 0:  # what a crash while saving this step before left there
+        shutil.rmtree(path / name, ignore_errors=True)
     dist.barrier()
+    dcp.save(tensors, checkpoint_id=path / name)  # collective: returns once every part is written
+    if dist.get_rank() == 0:
+        torch.save(rest, path / name / "rest.pt")
+        for written in (path / name / "rest.pt", path / name):
+            sync_to_disk(written)
+        (path / "latest.part").write_text(name)
+        sync_to_disk(path / "latest.part")
+        (path / "latest.part").replace(path / "latest")
+        sync_to_disk(path)
+        for old in path.glob("step-*"):  # earlier saves, and any a crash left unfinished
+            if old.name != name:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def sharded_optimizer(args: argparse.Namespace, ddp) -> dict | None:
+    """With --shard, this rank's shard of the optimizer state for dcp; else None."""
+    return ddp.sharded_optimizer_state_dict() if args.shard else None
+
+
+def saved(args: argparse.Namespace) -> Path | None:
+    """The checkpoint to resume from, if one was saved."""
+    path = args.checkpoint
+    if path is None:
+        return None
+    if args.checkpoint_format == "file":
+        return path if path.is_file() else None
+    latest = path / "latest"
+    return path / latest.read_text().strip() if latest.is_file() else None
+
+
+def optimizer_template(folder: Path) -> dict:
+    """A replicated optimizer's state tensors shaped as saved in a dcp folder, for dcp.load to
+    fill: torch's optimizers hold no state before their first step to load into."""
+    metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, meta in metadata.items():
+        parts = key.split(".")  # optimizer.state.<index>.<name>
+        if parts[:2] == ["optimizer", "state"] and hasattr(meta, "size"):  # a tensor
+            tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
+            state.setdefault(int(parts[2]), {})[parts[3]] = tensor
+    return {"state": state}
+
+
+def resume(args: argparse.Namespace, ddp, opt, scheduler, device: torch.device) -> int:
+    """Loads the saved checkpoint into the model, optimizer and scheduler; its step."""
+    found = saved(args)
+    if found is None:
+        return 0
+    if args.checkpoint_format == "file":
+        state = torch.load(found, map_location=device, weights_only=True)
+        ddp.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    else:
+        sharded = sharded_optimizer(args, ddp)
+        tensors = {
+            "model": ddp.module.state_dict(),  # loaded in place
+            "optimizer": sharded if sharded is not None else optimizer_template(found),
+        }
+        dcp.load(tensors, checkpoint_id=found)
+        state = torch.load(found / "rest.pt", weights_only=True)
+        if sharded is not None:
+            ddp.load_sharded_optimizer_state_dict(tensors["optimizer"])
+        else:
+            opt.load_state_dict({**tensors["optimizer"], "param_groups": state["param_groups"]})
+    scheduler.load_state_dict(state["scheduler"])
+    return int(state["step"])
+
+
+def digest(model: nn.Module) -> str:
+    """SHA-256 of every parameter's bytes: equal only if the parameters are, bit for bit."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def main() -> None:
@@ -179,15 +301,11 @@ def main() -> None:
     ddp, opt = wrap(model, args, device)
     warmup = max(1, args.warmup)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-    start = 0
-    if args.resume:
-        state = torch.load(args.checkpoint, map_location=device, weights_only=True)
-        ddp.module.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start = state["step"]
-        if rank == 0:
-            print(f"resumed from {args.checkpoint} at step {start}", flush=True)
+    if args.resume and saved(args) is None:
+        raise SystemExit(f"--resume: no checkpoint at {args.checkpoint}")
+    start = resume(args, ddp, opt, scheduler, device)
+    if start and rank == 0:
+        print(f"resumed from {saved(args)} at step {start}", flush=True)
     tic = time.perf_counter()
     total = float("nan")  # the last step's loss (rank 0's micro-batches)
     for step in range(start, args.steps):
@@ -203,16 +321,23 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         scheduler.step()
+        if rank == 0 and args.loss_log is not None:
+            with args.loss_log.open("a") as log:
+                log.write(f"{step + 1} {total.hex()}\n")
         if rank == 0 and (step + 1) % args.log_every == 0:
             ms = 1000 * (time.perf_counter() - tic) / (step + 1 - start)
             print(f"step {step + 1}/{args.steps}  loss {total:.5f}  {ms:.0f} ms/step", flush=True)
         if args.checkpoint and args.save_every and (step + 1) % args.save_every == 0:
-            save(args.checkpoint, step + 1, ddp, opt, scheduler)
-    if args.checkpoint:
-        save(args.checkpoint, args.steps, ddp, opt, scheduler)
+            save(args, step + 1, ddp, opt, scheduler)
+    if args.checkpoint and start < args.steps:
+        save(args, args.steps, ddp, opt, scheduler)
     checksum = math.fsum(p.double().sum().item() for p in ddp.module.parameters())
     if rank == 0:
-        print(f"final loss {total:.6f}  parameter checksum {checksum:.10e}", flush=True)
+        print(
+            f"final loss {total:.6f}  parameter checksum {checksum:.10e}  "
+            f"sha256 {digest(ddp.module)}",
+            flush=True,
+        )
         if isinstance(ddp, leanddp.DistributedDataParallel):
             stats = ddp.memory_stats()
             print(
