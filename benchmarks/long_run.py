@@ -1,17 +1,22 @@
-"""Long-run reliability check: leanddp against torch's DDP for 1000+ steps, every feature on.
+"""Long-run reliability check: leanddp against torch's DDP for 2000 steps, every feature on.
 
-Each configuration runs in 2 fresh gloo processes (torch.multiprocessing spawn), one thread
-each. In every process torch's DistributedDataParallel + a torch optimizer and
-leanddp.DistributedDataParallel train copies of one small model on their own process groups, on
-the same data, with tiny buckets and 2 micro-batches per step (the first under no_sync()). Every
-``--checkpoint-every`` steps and at the end it records (a) the largest relative difference of
-leanddp's parameters from torch's (per tensor, max|ours - torch| / max|torch|) and whether the
-ranks hold identical parameters, and (b) each rank's resident memory (VmRSS after
-gc.collect()) and leanddp's memory_stats(). Writes long_run.md and long_run.json into ``--out``
-and exits non-zero if parameters diverge beyond a configuration's tolerance, ranks disagree,
-or RSS grows more than ``--max-rss-growth-mb`` from the first checkpoint to the end.
+Each configuration runs in 2 fresh gloo processes, one thread each, under ``--deadline-s``
+(ranks still running then print their threads' stacks, are killed, and the run fails). In every
+process torch's DistributedDataParallel + torch.optim.AdamW and leanddp.DistributedDataParallel
+train copies of one small model on their own process groups, on the same data, with tiny
+buckets and, each step, a random number (1 to ``--max-accum``, seeded, the same on every rank)
+of micro-batches, all but the last under no_sync(). Every ``--checkpoint-every`` steps and at the
+end it records (a) the largest relative difference of leanddp's parameters from torch's (per
+tensor, max|ours - torch| / max|torch|) and whether the ranks hold identical parameters, (b)
+each rank's resident memory (VmRSS after gc.collect()) and memory_stats(), and (c) per rank, the
+largest value since the previous checkpoint (sampled after every step) of memory_stats()'s
+bucket bytes, peak bucket bytes, buckets in flight, recycled bytes, gradient bytes and host
+bytes, of the events leanddp created, and of the Python and OS threads. Writes long_run.md and
+long_run.json into ``--out`` and exits non-zero if parameters diverge beyond a configuration's
+tolerance, ranks disagree, RSS grows more than ``--max-rss-growth-mb`` or any of (c) changes
+from the first checkpoint whose window starts after ``--warmup-steps`` to the end.
 
-    PYTHONPATH=python python benchmarks/long_run.py [--steps 1000] [--configs everything ...]
+    PYTHONPATH=python python benchmarks/long_run.py [--steps 2000] [--configs everything ...]
 
 ``--unused-pattern synced`` keeps the dynamic branch out of no_sync-only micro-batches (by
 default some steps use it only there, which torch's DDP counts as used in that step).
@@ -27,55 +32,91 @@ import functools
 import gc
 import json
 import os
+import random
 import socket
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _long_run_report import FLAT_KEYS, mib, render, verdict
+from _ranks import run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import leanddp
+from leanddp._extension import _C
 from leanddp.bench._env import environment
 
-IN, OUT, BATCH, ACCUM = 32, 16, 16, 2
+IN, OUT, BATCH = 32, 16, 16
+#: Most micro-batches a step may draw (``--max-accum``'s default).
+MAX_ACCUM = 4
 #: Tolerance of the configurations stepped by leanddp's fused AdamW kernels (device or host).
 REL_TOL = 1e-5
 TOLERANCE_NOTE = (
-    "views: bitwise equal to torch (same reduction, same torch.optim.AdamW). optimizer_in_backward"
-    " and offload_to_cpu step with leanddp's fused AdamW kernels, whose rounding differs from "
-    "torch.optim.AdamW's in the last bits; with the defaults the drift measured 4.6e-7 at step "
-    "100 and at most 1.1e-6 by step 1000, so 1e-5 leaves a 9x margin, while one missed or "
-    "extra step shows as 1e-3 or more (raise --rel-tol for much longer runs)"
+    "views: bitwise equal to torch (same reduction, same torch.optim.AdamW). Every other "
+    "configuration steps with leanddp's fused AdamW kernels (on the device, on the host with "
+    "offload_to_cpu, in per-rank pieces with shard_optimizer_state: AdamW is elementwise, so a "
+    "piece is bitwise what a whole step computes), whose rounding differs from "
+    "torch.optim.AdamW's in the last bits; with max_grad_norm the norm is also summed in "
+    "another order than clip_grad_norm_'s (per shard, then one allreduce), which moves the "
+    "clipping coefficient by a few ulps. Neither the strict NaN check nor waiting for the end "
+    "of backward (find_unused_parameters) changes a number. The drift measured 4.6e-7 at step "
+    "100 and at most 1.1e-6 by step 1000 (Run 1), so 1e-5 leaves a 9x margin, while one missed "
+    "or extra step shows as 1e-3 or more (raise --rel-tol for much longer runs)"
 )
-#: name -> what the configuration turns on. tol 0.0: bitwise equal to torch; None: --rel-tol.
+#: Fields of a configuration, off unless it sets them: in_backward (optimizer_in_backward=
+#: AdamW), offload, shard (shard_optimizer_state), find_unused, static_graph, dynamic (a branch
+#: some steps/ranks skip), never (a layer no step uses), hook (allreduce_hook), nan_check (False,
+#: True or "strict"), max_grad_norm, tol (0.0: bitwise equal to torch; None: --rel-tol).
+FIELDS = dict(in_backward=False, offload=False, shard=False, find_unused=False,
+              static_graph=False, dynamic=False, never=False, hook=False, nan_check=False,
+              max_grad_norm=None, tol=None)  # fmt: skip
+#: name -> (what the configuration turns on, its fields that differ from FIELDS)
 CONFIGS = {
-    "everything": dict(
-        about="optimizer_in_backward(AdamW) + offload_to_cpu + max_grad_norm + no_sync "
-        "accumulation + find_unused_parameters (a branch some steps/ranks skip, a layer none "
-        "uses) + check_for_nan_in_grad + LR schedule",
-        in_backward=True, offload=True, find_unused=True, static_graph=False, dynamic=True,
-        never=True, hook=False, nan_check=True, max_grad_norm=0.5, tol=None,
+    "everything": (
+        "optimizer_in_backward(AdamW) + offload_to_cpu + max_grad_norm + no_sync accumulation + "
+        "find_unused_parameters (a branch some steps/ranks skip, a layer none uses) + "
+        "check_for_nan_in_grad + LR schedule",
+        dict(in_backward=True, offload=True, find_unused=True, dynamic=True, never=True,
+             nan_check=True, max_grad_norm=0.5),
     ),
-    "device": dict(
-        about="optimizer_in_backward(AdamW) on the device (no offload) + no_sync accumulation "
-        "+ static_graph (a layer no step uses; torch's side: find_unused_parameters) + LR "
-        "schedule",
-        in_backward=True, offload=False, find_unused=False, static_graph=True, dynamic=False,
-        never=True, hook=False, nan_check=False, max_grad_norm=None, tol=None,
+    "device": (
+        "optimizer_in_backward(AdamW) on the device (no offload) + no_sync accumulation + "
+        "static_graph (a layer no step uses; torch's side: find_unused_parameters) + LR schedule",
+        dict(in_backward=True, static_graph=True, never=True),
     ),
-    "views": dict(
-        about="gradient_as_bucket_view + no_sync accumulation + allreduce_hook (both sides) + "
+    "views": (
+        "gradient_as_bucket_view + no_sync accumulation + allreduce_hook (both sides) + "
         "torch.optim.AdamW stepped by the loop + LR schedule",
-        in_backward=False, offload=False, find_unused=False, static_graph=False, dynamic=False,
-        never=False, hook=True, nan_check=False, max_grad_norm=None, tol=0.0,
+        dict(hook=True, tol=0.0),
+    ),
+    "unused": (
+        "optimizer_in_backward(AdamW) on the device + find_unused_parameters (a branch some "
+        "steps/ranks skip, a layer none uses: the steps wait for the end of backward) + no_sync "
+        "accumulation + LR schedule",
+        dict(in_backward=True, find_unused=True, dynamic=True, never=True),
+    ),
+    "nan-strict": (
+        "optimizer_in_backward(AdamW) on the device + check_for_nan_in_grad='strict' (the steps "
+        "wait for the end of backward's check) + no_sync accumulation + LR schedule",
+        dict(in_backward=True, nan_check="strict"),
+    ),
+    "sharded-clip": (
+        "optimizer_in_backward(AdamW) + shard_optimizer_state + max_grad_norm (the steps wait "
+        "for the end of backward's norm) on the device + no_sync accumulation + LR schedule",
+        dict(in_backward=True, shard=True, max_grad_norm=0.5),
+    ),
+    "sharded-clip-offload": (
+        "optimizer_in_backward(AdamW) + shard_optimizer_state + offload_to_cpu + max_grad_norm "
+        "+ no_sync accumulation + LR schedule",
+        dict(in_backward=True, shard=True, offload=True, max_grad_norm=0.5),
     ),
 }  # fmt: skip
-MIB = 1024 * 1024
 
 
 class Net(nn.Module):
@@ -102,30 +143,48 @@ class Net(nn.Module):
         return self.out(h)
 
 
+def config(name: str, args: argparse.Namespace) -> dict:
+    """Configuration ``name``'s fields, with its description, ``pattern`` and tolerance."""
+    about, fields = CONFIGS[name]
+    cfg = dict(FIELDS, **fields, about=about, pattern=args.unused_pattern)
+    cfg["tol"] = args.rel_tol if cfg["tol"] is None else cfg["tol"]
+    return cfg
+
+
+def micro_batches(step: int, args: argparse.Namespace) -> int:
+    """How many micro-batches step ``step`` runs: 1 to ``--max-accum``, drawn from ``--seed``
+    and the step alone, so every rank (and both wrappers) draws the same."""
+    return random.Random(args.seed * 1_000_003 + step).randint(1, args.max_accum)
+
+
 def uses_branch(cfg: dict, step: int, micro: int, rank: int) -> bool:
     """Dynamic configurations: every 5th step no rank runs the branch (globally unused), else
     each rank runs it in some steps. ``--unused-pattern any``: in some micro-batches, at some
-    steps only in the no_sync one on every rank that runs it; ``synced``: in both or neither."""
+    steps only in no_sync ones on every rank that runs it; ``synced``: in all or none."""
     if not cfg["dynamic"]:
         return True
-    k = step * ACCUM + micro if cfg["pattern"] == "any" else step
+    k = step * MAX_ACCUM + micro if cfg["pattern"] == "any" else step
     return step % 5 != 4 and (k + rank) % 3 == 0
 
 
 def batch(step: int, micro: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same inputs for both wrappers; targets from a fixed random teacher."""
-    gen = torch.Generator().manual_seed(((step * ACCUM + micro) * world + rank) * 7 + 1)
+    gen = torch.Generator().manual_seed(((step * MAX_ACCUM + micro) * world + rank) * 7 + 1)
     x = torch.randn(BATCH, IN, generator=gen)
     teacher = torch.randn(IN, OUT, generator=torch.Generator().manual_seed(12345)) / IN**0.5
     return x, torch.sin(3 * x @ teacher)
 
 
-def rss_bytes() -> int:
-    """VmRSS of this process (Linux), after a garbage collection."""
-    gc.collect()
+def proc_status(field: str) -> int:
+    """The number in ``field`` of /proc/self/status (Linux): ``VmRSS`` in kB, ``Threads``."""
     with open("/proc/self/status") as f:
-        kib = next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
-    return kib * 1024
+        return next(int(ln.split()[1]) for ln in f if ln.startswith(field + ":"))
+
+
+def rss_bytes() -> int:
+    """VmRSS of this process, after a garbage collection."""
+    gc.collect()
+    return proc_status("VmRSS") * 1024
 
 
 def build(cfg: dict, args: argparse.Namespace, steps: int):
@@ -147,25 +206,23 @@ def build(cfg: dict, args: argparse.Namespace, steps: int):
         copy.deepcopy(model), process_group=dist.new_group(), **ref_kw
     )
     ref_opt = adamw(ref.parameters())
-    extra, note = {}, "off"
+    extra: dict = {}
     if cfg["in_backward"]:
         extra = dict(optimizer_in_backward=adamw, offload_to_cpu=cfg["offload"])
-        if cfg["offload"]:
-            extra.update(max_grad_norm=cfg["max_grad_norm"], offload_threads=1)
-    group = dist.new_group()
-    ours = None
-    if cfg["nan_check"] and not args.no_nan_check:
-        try:
-            ours = leanddp.DistributedDataParallel(
-                model, process_group=group, check_for_nan_in_grad=True, **kw, **extra
-            )
-            note = "on"
-        except NotImplementedError as e:
-            note = f"unavailable, ran without it (NotImplementedError: {str(e)[:120]})"
-    elif cfg["nan_check"]:
+        extra.update(dict(offload_threads=1) if cfg["offload"] else {})
+        extra.update(dict(shard_optimizer_state=True) if cfg["shard"] else {})
+        extra.update(dict(max_grad_norm=cfg["max_grad_norm"]) if cfg["max_grad_norm"] else {})
+    group, note = dist.new_group(), "off"
+    if cfg["nan_check"] and args.no_nan_check:
         note = "off (--no-nan-check)"
-    if ours is None:
+    elif cfg["nan_check"]:
+        extra["check_for_nan_in_grad"] = cfg["nan_check"]
+        note = "strict" if cfg["nan_check"] == "strict" else "on"
+    _C._testing.set_host_ordering(args.host_ordering)  # read at construction only
+    try:
         ours = leanddp.DistributedDataParallel(model, process_group=group, **kw, **extra)
+    finally:
+        _C._testing.set_host_ordering(False)
     ours_opt = ours.optimizer if cfg["in_backward"] else adamw(ours.parameters())
     if cfg["hook"]:
         ref.register_comm_hook(ref.process_group, allreduce_hook)
@@ -179,15 +236,15 @@ def build(cfg: dict, args: argparse.Namespace, steps: int):
     return ref, ref_opt, ours, ours_opt, scheds, note
 
 
-def train_step(ddp, opt, cfg, step, rank, world, max_norm=None) -> tuple[float, float | None]:
-    """One optimizer step of ACCUM micro-batches (all but the last under no_sync): the loss
-    and, with ``max_norm``, the gradient norm clip_grad_norm_ clipped from."""
-    total, norm = 0.0, None
-    for micro in range(ACCUM):
+def train_step(ddp, opt, cfg, step, micros, rank, world, max_norm=None) -> tuple[float, float]:
+    """One optimizer step of ``micros`` micro-batches (all but the last under no_sync): the
+    loss and, with ``max_norm``, the gradient norm clip_grad_norm_ clipped from (else -1)."""
+    total, norm = 0.0, -1.0
+    for micro in range(micros):
         ddp.module.use_branch = uses_branch(cfg, step, micro, rank)
         x, y = batch(step, micro, rank, world)
-        with ddp.no_sync() if micro < ACCUM - 1 else contextlib.nullcontext():
-            loss = nn.functional.mse_loss(ddp(x), y) / ACCUM
+        with ddp.no_sync() if micro < micros - 1 else contextlib.nullcontext():
+            loss = nn.functional.mse_loss(ddp(x), y) / micros
             loss.backward()
         total += loss.item()
     if max_norm:
@@ -224,61 +281,94 @@ def across_ranks(module: nn.Module) -> float:
 
 
 STAT_KEYS = ("bucket_bytes", "grad_bytes", "optimizer_state_bytes", "host_master_bytes",
-             "host_buffer_bytes", "num_buckets", "peak_bucket_bytes")  # fmt: skip
+             "host_buffer_bytes", "host_accumulation_bytes", "num_buckets", "peak_bucket_bytes",
+             "max_buckets_in_flight", "recycled_bucket_bytes")  # fmt: skip
 
 
-def checkpoint(ref, ours, step: int, world: int) -> dict:
-    """Parity (the worst rank's), cross-rank equality, every rank's RSS and memory_stats()."""
+def probe(ours, cfg: dict) -> dict[str, int]:
+    """This rank's FLAT_KEYS now: memory_stats()'s counts (``host_bytes``: masters, staging,
+    host accumulation, and the optimizer state where offload_to_cpu keeps it), the events
+    leanddp's Reducer and in-backward optimizer created so far, Python and OS threads."""
+    s = ours.memory_stats()
+    core = ours._optimizer_core  # (private: the events counter is not in memory_stats())
+    host = s["host_master_bytes"] + s["host_buffer_bytes"] + s["host_accumulation_bytes"]
+    values = {k: s[k] for k in FLAT_KEYS if k in s}
+    values.update(
+        host_bytes=host + (s["optimizer_state_bytes"] if cfg["offload"] else 0),
+        events_created=int(ours.reducer.events_created())
+        + (int(core.events_created()) if core is not None else 0),
+        py_threads=threading.active_count(),
+        os_threads=proc_status("Threads"),
+    )
+    return values
+
+
+def checkpoint(ref, ours, step: int, world: int, window: dict) -> dict:
+    """Parity (the worst rank's), cross-rank equality, every rank's RSS, memory_stats() and
+    ``window`` (its FLAT_KEYS' largest values since the last checkpoint)."""
     ours.synchronize()
     rss = rss_bytes()
     stats = {k: ours.memory_stats()[k] for k in STAT_KEYS}
     gathered = [None] * world
-    dist.all_gather_object(gathered, (rss, stats, compare(ref, ours)))
+    dist.all_gather_object(gathered, (rss, stats, compare(ref, ours), window))
     point = dict(step=step, **max((g[2] for g in gathered), key=lambda c: c["max_rel"]))
     point["bitwise"] = all(g[2]["bitwise"] for g in gathered)
     point["ranks_differ_ours"] = across_ranks(ours.module)
     point["ranks_differ_ref"] = across_ranks(ref.module)
     point["rss"] = [g[0] for g in gathered]
     point["memory_stats"] = [g[1] for g in gathered]
+    point["flat"] = [g[3] for g in gathered]
     return point
 
 
 def worker(rank: int, world: int, port: int, name: str, args: argparse.Namespace, out: str):
+    """One rank of configuration ``name``: trains both wrappers, checkpoints, and (rank 0)
+    writes the configuration's result to ``out``."""
     torch.set_num_threads(1)
     os.environ.update(LOCAL_WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=300),
     )  # fmt: skip
-    cfg = dict(CONFIGS[name], pattern=args.unused_pattern)
-    cfg["tol"] = args.rel_tol if cfg["tol"] is None else cfg["tol"]
+    cfg = config(name, args)
     ref, ref_opt, ours, ours_opt, scheds, note = build(cfg, args, args.steps)
-    norms, norm_diffs, checkpoints, start = [], [], [], time.perf_counter()
+    norm_diffs, clipped, checkpoints, window = [], 0, [], {}
+    drawn: Counter = Counter()
+    start = time.perf_counter()
     for step in range(1, args.steps + 1):
-        loss_ref, norm = train_step(ref, ref_opt, cfg, step, rank, world, cfg["max_grad_norm"])
-        loss_ours, _ = train_step(ours, ours_opt, cfg, step, rank, world)
+        micros = micro_batches(step, args)
+        drawn[micros] += 1
+        loss_ref, norm = train_step(
+            ref, ref_opt, cfg, step, micros, rank, world, cfg["max_grad_norm"]
+        )
+        loss_ours, _ = train_step(ours, ours_opt, cfg, step, micros, rank, world)
         for s in scheds:
             s.step()
-        if norm is not None:
-            norms.append(norm)
+        ours_norm = ours.offload_stats()["grad_norm"] if cfg["max_grad_norm"] else -1.0
+        if norm >= 0 and ours_norm >= 0:  # leanddp's norm of this step vs clip_grad_norm_'s
+            norm_diffs.append(abs(ours_norm - norm) / max(norm, 1e-12))
+            clipped += norm > cfg["max_grad_norm"]
+        for k, v in probe(ours, cfg).items():
+            window[k] = max(window.get(k, v), v)
         if step % args.checkpoint_every and step != args.steps:
             continue
-        point = checkpoint(ref, ours, step, world)
-        if norm is not None:  # leanddp's norm of this step (offload_to_cpu) vs clip_grad_norm_'s
-            norm_diffs.append(abs(ours.offload_stats()["grad_norm"] - norm) / max(norm, 1e-12))
+        point = checkpoint(ref, ours, step, world, window)
+        window = {}
         point.update(loss_ref=loss_ref, loss_ours=loss_ours, seconds=time.perf_counter() - start)
         checkpoints.append(point)
         if rank == 0:
+            f = point["flat"]
             print(f"[long_run] {name} step {step}/{args.steps}  max rel diff "
-                  f"{point['max_rel']:.2e}  RSS {'/'.join(map(mib, point['rss']))} MiB  loss "
-                  f"{loss_ref:.5f}/{loss_ours:.5f}  ({point['seconds']:.0f} s)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+                  f"{point['max_rel']:.2e}  RSS {'/'.join(map(mib, point['rss']))} MiB  "
+                  f"threads {f[0]['os_threads']}/{f[1]['os_threads']}  events "
+                  f"{f[0]['events_created']}  loss {loss_ref:.5f}/{loss_ours:.5f}  "
+                  f"({point['seconds']:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
     if rank == 0:
         result = dict(config=name, about=cfg["about"], nan_check=note, tolerance=cfg["tol"],
                       checkpoints=checkpoints, seconds=time.perf_counter() - start,
+                      micro_batches={str(k): drawn[k] for k in sorted(drawn)},
                       offload_stats=ours.offload_stats() if cfg["offload"] else None)  # fmt: skip
-        if norms:
-            clipped = sum(n > cfg["max_grad_norm"] for n in norms)
+        if norm_diffs:
             result["grad_norm"] = dict(steps_clipped=clipped, max_rel_diff=max(norm_diffs))
         Path(out).write_text(json.dumps(result))
     dist.barrier()
@@ -286,102 +376,26 @@ def worker(rank: int, world: int, port: int, name: str, args: argparse.Namespace
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def verdict(r: dict, args: argparse.Namespace) -> list[str]:
-    """Why this configuration failed (empty: it passed)."""
-    fails, first, last = [], r["checkpoints"][0], r["checkpoints"][-1]
-    tol = r["tolerance"]
-    for c in r["checkpoints"]:
-        if (not c["bitwise"]) if tol == 0.0 else not c["max_rel"] <= tol:  # NaN fails too
-            want = "bitwise equality" if tol == 0.0 else f"tolerance {tol:.0e}"
-            fails.append(f"step {c['step']}: max rel diff {c['max_rel']:.3e} ({c['worst']}) "
-                         f"breaks {want}")  # fmt: skip
-            break
-    for c in r["checkpoints"]:
-        if c["ranks_differ_ours"] > 0:
-            fails.append(f"step {c['step']}: leanddp's ranks hold different parameters "
-                         f"(max diff {c['ranks_differ_ours']:.3e})")  # fmt: skip
-            break
-    r["rss_growth"] = [b - a for a, b in zip(first["rss"], last["rss"], strict=True)]
-    for rank, g in enumerate(r["rss_growth"]):
-        if not g <= args.max_rss_growth_mb * MIB:
-            fails.append(f"rank {rank}: RSS grew {g / MIB:.1f} MiB from step {first['step']} to "
-                         f"{last['step']} (limit {args.max_rss_growth_mb} MiB)")  # fmt: skip
-    return fails
-
-
-def mib(x: float) -> str:
-    return f"{x / MIB:.1f}"
-
-
-def render(report: dict) -> str:
-    env, lines = report["env"], []
-    lines += [
-        f"`{env['command']}`",
-        "",
-        f"{env['cpu']} ({env['cpus']} CPUs), python {env['python']}, torch {env['torch']}, "
-        f"leanddp {env['leanddp']}; 2 gloo ranks, 1 thread each; {report['params']} parameters, "
-        f"bucket_cap_mb={report['args']['bucket_cap_mb']}, {ACCUM} micro-batches per step, "
-        f"--unused-pattern {report['args']['unused_pattern']}",
-        "",
-        "| config | check_for_nan_in_grad | steps | max rel diff (end) | max rel diff (any "
-        "checkpoint) | tolerance | RSS MiB @first r0/r1 | RSS MiB @end r0/r1 | growth MiB r0/r1 "
-        "| time s | result |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in report["runs"]:
-        if "checkpoints" not in r:
-            lines.append(f"| {r['config']} | | | | | | | | | | FAILED: {r['error']} |")
-            continue
-        first, last = r["checkpoints"][0], r["checkpoints"][-1]
-        worst = max(c["max_rel"] for c in r["checkpoints"])
-        tol = "bitwise" if r["tolerance"] == 0.0 else f"{r['tolerance']:.0e}"
-        end = "bitwise equal" if last["bitwise"] else f"{last['max_rel']:.2e}"
-        lines.append(
-            f"| {r['config']} | {r['nan_check'].split(' (')[0]} | {last['step']} | {end} | "
-            f"{worst:.2e} | {tol} | {'/'.join(map(mib, first['rss']))} (step {first['step']}) | "
-            f"{'/'.join(map(mib, last['rss']))} | {'/'.join(map(mib, r['rss_growth']))} | "
-            f"{r['seconds']:.0f} | {'; '.join(r['failures']) or 'pass'} |"
-        )
-    lines += ["", f"Fails if RSS grows more than {report['args']['max_rss_growth_mb']} MiB on a "
-              f"rank from the first checkpoint to the end, if leanddp's ranks hold different "
-              f"parameters, or beyond the tolerance: {TOLERANCE_NOTE}."]  # fmt: skip
-    for r in report["runs"]:
-        if "checkpoints" not in r:
-            continue
-        lines += ["", f"### {r['config']}: {r['about']}", "",
-                  f"check_for_nan_in_grad: {r['nan_check']}", ""]  # fmt: skip
-        if r.get("grad_norm"):
-            g = r["grad_norm"]
-            lines += [f"max_grad_norm: {g['steps_clipped']} steps clipped; grad_norm vs "
-                      f"clip_grad_norm_: max rel diff {g['max_rel_diff']:.2e}", ""]  # fmt: skip
-        lines += [
-            "| step | max rel diff | max abs diff | worst tensor | ranks equal | RSS MiB r0/r1 | "
-            "bucket bytes | host bytes (state+masters+staging) | loss torch/leanddp |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for c in r["checkpoints"]:
-            s = c["memory_stats"][0]
-            host = s["host_master_bytes"] + s["host_buffer_bytes"]
-            host += s["optimizer_state_bytes"] if r["offload_stats"] else 0
-            lines.append(
-                f"| {c['step']} | {c['max_rel']:.2e} | {c['max_abs']:.2e} | {c['worst'] or '-'} | "
-                f"{'yes' if c['ranks_differ_ours'] == 0 else c['ranks_differ_ours']} | "
-                f"{'/'.join(map(mib, c['rss']))} | {s['bucket_bytes']} | {host} | "
-                f"{c['loss_ref']:.5f}/{c['loss_ours']:.5f} |"
-            )
-    return "\n".join(lines)
-
-
 def parser() -> argparse.ArgumentParser:
+    """The command line (see module doc)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (default: 1000)")
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps (default: 2000)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="default: 100")
+    p.add_argument(
+        "--warmup-steps", type=int, default=100,
+        help="flatness is measured from the first checkpoint whose window (the steps since the "
+        "previous one) starts after this step (default: 100)",
+    )  # fmt: skip
+    p.add_argument("--max-accum", type=int, default=MAX_ACCUM,
+                   help=f"most micro-batches a step draws (default: {MAX_ACCUM})")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="of the micro-batch draws (default: 0)")
     p.add_argument("--bucket-cap-mb", type=float, default=0.001, help="default: 0.001")
     p.add_argument("--dim", type=int, default=128, help="model width (default: 128)")
     p.add_argument("--depth", type=int, default=4, help="residual blocks (default: 4)")
@@ -393,17 +407,34 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rel-tol", type=float, default=REL_TOL, help=f"default: {REL_TOL:.0e}")
     p.add_argument("--no-nan-check", action="store_true", help="no check_for_nan_in_grad")
     p.add_argument(
+        "--host-ordering", action="store_true",
+        help="build leanddp's wrapper under the host-ordering seam (CPU tensors ordered as on a "
+        "GPU: side streams and pooled events), so that events_created counts",
+    )  # fmt: skip
+    p.add_argument(
         "--max-rss-growth-mb", type=float, default=8.0,
         help="default: 8 (1000 steps grew 0.5-3.3 MiB per rank; a leak of 9 KiB a step fails)",
+    )  # fmt: skip
+    p.add_argument(
+        "--deadline-s", type=float, default=3600.0,
+        help="seconds a configuration's ranks may run before they are dumped and killed "
+        "(default: 3600)",
+    )  # fmt: skip
+    p.add_argument(
+        "--start-method", choices=["spawn", "fork"], default="spawn",
+        help="of the rank processes (default: spawn; fork starts faster on the CPU)",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("leanddp-long-run"))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs every configuration, writes the report, returns the exit status."""
     args = parser().parse_args(argv)
-    if args.steps < 1 or args.checkpoint_every < 1:
-        parser().error("--steps and --checkpoint-every must be at least 1")
+    if min(args.steps, args.checkpoint_every, args.max_accum, args.deadline_s) <= 0:
+        parser().error("--steps, --checkpoint-every, --max-accum, --deadline-s must be positive")
+    if args.max_accum > MAX_ACCUM:
+        parser().error(f"--max-accum is at most {MAX_ACCUM} (the data's seeds assume it)")
     torch.set_num_threads(1)  # what every rank runs with (environment() reports it)
     args.out.mkdir(parents=True, exist_ok=True)
     report = dict(
@@ -412,19 +443,21 @@ def main(argv: list[str] | None = None) -> int:
         ),
         args={k: str(v) for k, v in vars(args).items()},
         params=sum(p.numel() for p in Net(args.dim, args.depth, True).parameters()),
+        tolerance_note=TOLERANCE_NOTE,
         runs=[],
     )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for k, name in enumerate(args.configs):
-            print(f"[long_run] [{k + 1}/{len(args.configs)}] {name}: {CONFIGS[name]['about']}",
+            print(f"[long_run] [{k + 1}/{len(args.configs)}] {name}: {CONFIGS[name][0]}",
                   file=sys.stderr, flush=True)  # fmt: skip
             out = str(Path(tmp) / f"{name}.json")
             try:
-                mp.spawn(worker, args=(2, free_port(), name, args, out), nprocs=2, join=True)
+                run_ranks(2, worker, (2, free_port(), name, args, out), args.deadline_s,
+                          f"long_run {name}", args.start_method)  # fmt: skip
                 run = json.loads(Path(out).read_text())
                 run["failures"] = verdict(run, args)
-            except Exception as e:  # a rank raised or died: a failure to report, not to hide
+            except Exception as e:  # a rank raised, died or hung: a failure to report
                 print(f"[long_run] {name} failed:\n{e}", file=sys.stderr, flush=True)
                 run = dict(config=name, error=str(e).strip().splitlines()[-1][:300])
                 run["failures"] = [run["error"]]
