@@ -58,8 +58,8 @@
 #          fit). With a 3-minute build pytest gets 570 - 180 - 180 = 210 s: if its timeout
 #          cuts it, run `tests` again on the same warm machine (the build is then skipped) or
 #          split the call
-#   bench  ~4-5 minutes: memory_timeline ~40 s, step_time ~2.5-3.5 min, bench_ops ~30 s,
-#          report ~5 s
+#   bench  ~5-6 minutes: memory_timeline ~40 s, step_time ~2.5-3.5 min, bench_ops ~30 s,
+#          restart ~1-1.5 min, report ~5 s
 # Every step runs even when an earlier one failed; exit status 1 when any failed, 2 on bad usage.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
@@ -335,12 +335,17 @@ part_bench() {
   # GPU: memory_timeline ~40 s (fp32 and bf16, batch 1 x seq 128, the plain model and 5
   # configurations each); step_time ~2.5-3.5 min (GPT-2 small, batch 8 x seq 1024; 2 dtypes x 2
   # accumulations x 6 configurations x (2 warm-up + 7 rounds x 3) steps; offload_to_cpu's steps
-  # are bound by the host AdamW); bench_ops ~30 s. The limits only stop a run that hangs (and
-  # add up to 10 minutes: the bench part fits one device command when nothing is built).
-  local memory=(--dtypes fp32,bf16) steps=(--model gpt2 --dtype bf16,fp32) limits=(150 330 120)
-  rm -f "$OUT_DIR"/{memory_timeline,step_time,bench_ops}.json "$OUT_DIR"/*.png "$OUT_DIR/report.md"
+  # are bound by the host AdamW); bench_ops ~30 s. The limits only stop a run that hangs (the
+  # first three add up to 10 minutes: the bench part fits one device command when nothing is
+  # built and nothing hangs).
+  # restart ~1-1.5 min (examples/torchrun_gpt.py killed mid-run under torchrun --max-restarts 1,
+  # NCCL, one rank: the restart resumes bit for bit; restart.py).
+  local memory=(--dtypes fp32,bf16) steps=(--model gpt2 --dtype bf16,fp32) limits=(150 330 120 150)
+  local restart=(--modes plain,offload)
+  rm -f "$OUT_DIR"/{memory_timeline,step_time,bench_ops,restart}.json "$OUT_DIR"/*.png \
+    "$OUT_DIR/report.md"
   if [ "$SMOKE" = 1 ]; then
-    memory=(--smoke) steps=(--smoke) limits=(120 120 0)
+    memory=(--smoke) steps=(--smoke) limits=(120 120 0 150) restart=(--smoke --modes plain)
   fi
   step bench memory_timeline timeout -k 10 "${limits[0]}" \
     "$PYTHON" "$HERE/memory_timeline.py" "${memory[@]}" --out "$OUT_DIR"
@@ -352,6 +357,8 @@ part_bench() {
     step bench bench_ops timeout -k 10 "${limits[2]}" \
       "$PYTHON" "$REPO/benchmarks/bench_ops.py" --device cuda --out "$OUT_DIR"
   fi
+  step bench restart timeout -k 10 "${limits[3]}" \
+    "$PYTHON" "$HERE/restart.py" "${restart[@]}" --out "$OUT_DIR"
   step bench report "$PYTHON" "$HERE/report.py" "$OUT_DIR"
 }
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import JoinHook, _JoinConfig
 
-from . import _comm, _lifetime, _stats, _waits, optim
+from . import _comm, _lifetime, _rendezvous, _stats, _waits, optim
 from ._collectives import sync_buffers, sync_initial_state
 from ._config import DDPConfig, check_arguments, check_trainable_unchanged
 from ._extension import _C
@@ -206,6 +206,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             sync_initial_state(
                 self._named_trainable, state, self.process_group, config.sparse_names
             )
+            # every rank has connected (its data arrived): gloo's rendezvous keys are read no
+            # more, and a torchrun restart through the same store must not find them
+            _rendezvous.forget_rendezvous_keys(self.process_group)
         self._build_reducer()
         self.logger.set_construction_data(module, config)
         if config.static_graph:

@@ -243,3 +243,13 @@ def test_bad_usage_of_run_sh_and_report(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as e:
         suite_module("report").main([str(tmp_path)])
     assert e.value.code == 2
+
+
+def test_restart_resumes_bit_for_bit(smoke_dir: Path) -> None:
+    """restart.py (the bench part's last run): the example killed under torchrun
+    --max-restarts 1 resumed in torchrun's next round and ended as the straight run did."""
+    report = json.loads((smoke_dir / "restart.json").read_text())
+    assert report["smoke"] and [v["mode"] for v in report["modes"]] == ["plain"], report
+    for verdict in report["modes"]:
+        assert verdict["ok"], verdict
+        assert 0 < verdict["resumed_at"] <= verdict["last_step_before_kill"], verdict
