@@ -8,11 +8,16 @@ import ctypes
 import os
 import sys
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from ._extension import _C
+
+#: How long a wrapper still alive at interpreter exit releases the GIL after closing (seconds):
+#: the gloo workers' pending releases of finished works run meanwhile (docs/troubleshooting.md).
+EXIT_GIL_YIELD_S = 0.05
 
 
 def close_at_end(ddp: Any, reducer: _C.Reducer) -> None:
@@ -34,6 +39,10 @@ def _close(reducer: _C.Reducer, wrapper: weakref.ref[Any]) -> None:
         ddp.process_group = None
         ddp._config = ddp._config.without_group()
         ddp._comm_hooks.clear()  # a hook's state may be the group
+        # Alive at exit: gloo's worker threads drop a finished work's last reference on their own
+        # thread, which takes the GIL (Python-owned tensors, the thread-local state the work
+        # captured) and, once finalization has begun, aborts the process. Give them the GIL now.
+        time.sleep(EXIT_GIL_YIELD_S)
 
 
 def leave() -> NoReturn:
