@@ -171,6 +171,8 @@ void bind_optimizer(py::module_& m) {
       .def("events_created", &Opt::events_created, no_gil)
       .def("attached", &Opt::attached, no_gil)
       .def("_delay_host_steps", &Opt::delay_host_steps, py::arg("seconds"), no_gil)
+      .def("_inject_host_faults", &Opt::inject_host_faults, py::arg("kind"), py::arg("count"),
+           py::arg("bucket") = -1, no_gil)
       .def("_delay_copies_back", &Opt::delay_copies_back, py::arg("seconds"), no_gil)
       .def("_copy_back_stream", &Opt::copy_back_stream, no_gil);
 }

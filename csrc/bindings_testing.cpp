@@ -1,6 +1,6 @@
 // leanddp._C._testing: the seams tests drive directly (the step window, the shard collectives,
-// host ordering, the offload worker's end on its own thread, the OpenMP build check). Nothing
-// in leanddp itself calls them (see bindings.h).
+// host ordering, the offload worker's end on its own thread, the kinds of host job a test makes
+// fail, the OpenMP build check). Nothing in leanddp itself calls them (see bindings.h).
 #include "bindings.h"
 #include "fused_optimizer.h"
 #include "host_offload.h"
@@ -109,6 +109,10 @@ bool offload_released_on_worker(bool after_error) {
 void bind_testing(py::module_& m) {
   py::module_ t = m.def_submodule("_testing", "Test seams of leanddp's extension.");
   bind_step_window(t);
+  // The host jobs InBackwardOptimizer._inject_host_faults makes fail (HostWorker::Fault).
+  py::enum_<leanddp::HostWorker::Fault>(t, "HostFault")
+      .value("addition", leanddp::HostWorker::Fault::kAddition)
+      .value("step", leanddp::HostWorker::Fault::kStep);
   t.def(
       "reduce_to_shard",
       [](const py::object& process_group, at::Tensor flat, const std::vector<int64_t>& offsets,

@@ -71,8 +71,10 @@ void HostAccumulator::add(size_t index, const at::Tensor& flat) {
                                                          : 0.0;
   HostWorker::Job job;
   job.after = std::move(copied);
-  job.run = [sum, incoming, done = done_, sequence, delay] {
+  // (the job runs on the worker, which is alive then: it does not own it)
+  job.run = [sum, incoming, done = done_, sequence, delay, worker = worker_.get(), index] {
     if (delay > 0) std::this_thread::sleep_for(std::chrono::duration<double>(delay));
+    worker->check_fault(HostWorker::Fault::kAddition, static_cast<int64_t>(index));
     if (sum.defined()) {
       at::NoGradGuard no_grad;
       sum.add_(incoming);

@@ -294,6 +294,7 @@ void HostOffload::step_job(const Step& job, std::optional<double> grad_scale) {
   if (const double delay = worker_->delay(); delay > 0) {
     std::this_thread::sleep_for(std::chrono::duration<double>(delay));
   }
+  worker_->check_fault(HostWorker::Fault::kStep, static_cast<int64_t>(job.index));
   const Bucket& layout = job.layout;
   const at::Tensor& weights = ensure_weights(job.index);
   for (size_t s = 0; s < layout.params.size(); ++s) {

@@ -119,6 +119,26 @@ void HostWorker::delay_copies_back(double seconds) {
   set_stream_lag(*h2d_stream_, seconds);
 }
 
+void HostWorker::inject_faults(Fault kind, int64_t count, int64_t bucket) {
+  TORCH_CHECK(count >= 0, "HostWorker::inject_faults: count must not be negative");
+  FaultPlan& plan = faults_[static_cast<size_t>(kind)];
+  plan.count.store(0);  // (disarmed while the bucket changes)
+  plan.bucket.store(bucket);
+  plan.count.store(count);
+}
+
+void HostWorker::fail_if_due(Fault kind, int64_t bucket) {
+  FaultPlan& plan = faults_[static_cast<size_t>(kind)];
+  const int64_t only = plan.bucket.load();
+  if (only >= 0 && only != bucket) return;
+  int64_t left = plan.count.load();
+  while (left > 0 && !plan.count.compare_exchange_weak(left, left - 1)) {
+  }
+  if (left <= 0) return;
+  TORCH_CHECK(false, "leanddp injected fault: host ",
+              kind == Fault::kAddition ? "addition" : "step", " of bucket ", bucket);
+}
+
 void HostWorker::run(const std::shared_ptr<Sync>& sync, int threads) {
   // A new thread's current device is the first GPU: this rank's device instead, before the first
   // CUDA call (an event synchronize does not set it), or every rank opens a context on GPU 0.

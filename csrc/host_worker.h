@@ -34,6 +34,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -121,6 +122,20 @@ class HostWorker {
   // Tests: clients sleep `seconds` before each step or addition they run here (0: not).
   void delay_jobs(double seconds) { delay_ = seconds; }
   double delay() const { return delay_; }
+  // The client jobs a test can make fail (inject_faults()).
+  enum class Fault : uint8_t { kAddition = 0, kStep = 1 };
+  // Tests, any thread: the next `count` jobs of `kind` that reach check_fault() (only those of
+  // bucket `bucket`, if it is >= 0) raise a c10::Error instead of running ("leanddp injected
+  // fault: host addition of bucket B"); count 0 disarms. Replaces what was armed for `kind`.
+  void inject_faults(Fault kind, int64_t count, int64_t bucket = -1);
+  // On the worker thread, by a client's job of `kind` on `bucket`, after its delay and before
+  // it touches anything: raises if inject_faults() made it fail. Costs one relaxed atomic load
+  // when nothing is armed (the hot path).
+  void check_fault(Fault kind, int64_t bucket) {
+    if (faults_[static_cast<size_t>(kind)].count.load(std::memory_order_relaxed) > 0) {
+      fail_if_due(kind, bucket);
+    }
+  }
   // Tests, under host ordering (streams.h): the copies back run `seconds` after they were
   // queued, on the host-to-device stream's own thread, as a GPU's may.
   void delay_copies_back(double seconds);
@@ -134,6 +149,14 @@ class HostWorker {
     bool stop = false;
   };
   void run(const std::shared_ptr<Sync>& sync, int threads);
+  // check_fault()'s slow path: an injection is armed for `kind`.
+  void fail_if_due(Fault kind, int64_t bucket);
+
+  // What inject_faults() armed, per Fault: jobs left to fail, and the bucket (-1: any).
+  struct FaultPlan {
+    std::atomic<int64_t> count{0};
+    std::atomic<int64_t> bucket{-1};
+  };
 
   c10::Device device_;
   bool on_gpu_ = false;
@@ -142,6 +165,7 @@ class HostWorker {
   std::unique_ptr<EventPool> events_;
   at::TensorOptions staging_options_;
   std::atomic<double> delay_{0};
+  std::array<FaultPlan, 2> faults_;
 
   std::shared_ptr<Sync> sync_ = std::make_shared<Sync>();
   // Guarded by sync_->mu.

@@ -294,6 +294,13 @@ void InBackwardOptimizer::delay_host_steps(double seconds) {
   host_->worker()->delay_jobs(seconds);
 }
 
+void InBackwardOptimizer::inject_host_faults(HostWorker::Fault kind, int64_t count,
+                                             int64_t bucket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(host_, "InBackwardOptimizer::inject_host_faults: only with offload_to_cpu");
+  host_->worker()->inject_faults(kind, count, bucket);
+}
+
 void InBackwardOptimizer::delay_copies_back(double seconds) {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(host_, "InBackwardOptimizer::delay_copies_back: only with offload_to_cpu");

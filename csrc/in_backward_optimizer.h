@@ -222,6 +222,10 @@ class InBackwardOptimizer {
   // Tests: the host worker sleeps `seconds` before each host step (and each addition of a
   // no_sync() micro-batch, the accumulator's own delays aside) from now on (0: not).
   void delay_host_steps(double seconds);
+  // Tests, offload_to_cpu: the next `count` host jobs of `kind` (of bucket `bucket` only, if
+  // >= 0) raise instead of running (HostWorker::inject_faults()): a host step, or an addition
+  // of a no_sync() micro-batch (accumulate_on_host). The error surfaces as the worker's own do.
+  void inject_host_faults(HostWorker::Fault kind, int64_t count, int64_t bucket);
   // Tests, offload_to_cpu under host ordering (streams.h): the copies back to the parameters
   // run `seconds` after the worker queued them, as a GPU's may.
   void delay_copies_back(double seconds);

@@ -17,7 +17,7 @@ OPTIMIZER_ONLY = {
     "gathered_optimizer_state", "shard_placement", "local_optimizer_state", "optimizer_steps",
     "set_optimizer_steps", "optimizer_generation", "load_master_weight", "adopt_master_weights",
     "offload_stats", "wait_for_steps", "pending_steps", "follow_steps", "wait_for_bucket",
-    "_delay_host_steps", "_delay_copies_back", "_copy_back_stream",
+    "_delay_host_steps", "_delay_copies_back", "_copy_back_stream", "_inject_host_faults",
 }  # fmt: skip
 
 
@@ -56,7 +56,7 @@ def test_hyper_parameters_and_kind_are_typed() -> None:
 def test_test_seams_live_in_their_own_module() -> None:
     seams = {"StepWindow", "set_host_ordering", "host_ordering_counts", "reduce_to_shard",
              "reduces_scattered", "pack_and_gather_shards", "offload_released_on_worker",
-             "parallel_threads"}  # fmt: skip
+             "parallel_threads", "HostFault"}  # fmt: skip
     assert seams <= _public(_C._testing)
     product = _public(_C)
     assert not {name for name in product if name.lstrip("_") in seams}, "a seam in _C itself"
