@@ -16,6 +16,7 @@ namespace leanddp {
 HostAccumulator::HostAccumulator(std::shared_ptr<HostWorker> worker,
                                  const std::vector<Bucket>& buckets)
     : worker_(std::move(worker)), on_gpu_(worker_->on_gpu()) {
+  errors_seen_ = worker_->errors_taken();
   set_layout(buckets);
 }
 
@@ -34,6 +35,7 @@ void HostAccumulator::set_layout(const std::vector<Bucket>& buckets) {
 void HostAccumulator::add(size_t index, const at::Tensor& flat) {
   TORCH_CHECK(index < numel_.size() && flat.numel() == numel_[index], "HostAccumulator: bucket ",
               index, " does not match the layout it was given");
+  drop_failed();
   HostBuffers& host = host_[index];
   const bool first = !held_[index];
   at::Tensor& target = first ? host.sum : host.incoming;
@@ -110,9 +112,21 @@ void HostAccumulator::take(size_t index, const at::Tensor& flat) {
   held_[index] = 0;
 }
 
-void HostAccumulator::discard() { std::fill(held_.begin(), held_.end(), 0); }
+void HostAccumulator::discard() {
+  std::fill(held_.begin(), held_.end(), 0);
+  errors_seen_ = worker_->errors_taken();  // (nothing is held that an error could have left)
+}
+
+void HostAccumulator::drop_failed() {
+  if (worker_->errors_taken() != errors_seen_) discard();
+}
+
+bool HostAccumulator::holds(size_t index) const {
+  return held_[index] != 0 && worker_->errors_taken() == errors_seen_;
+}
 
 int64_t HostAccumulator::held() const {
+  if (worker_->errors_taken() != errors_seen_) return 0;  // (dropped at the next add())
   return static_cast<int64_t>(std::count(held_.begin(), held_.end(), 1));
 }
 

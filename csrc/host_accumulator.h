@@ -64,8 +64,9 @@ class HostAccumulator {
   // current stream): summed into its host sum. The caller then releases the bucket (its memory
   // is recorded on the device-to-host stream here).
   void add(size_t index, const at::Tensor& flat);
-  // Whether bucket `index` holds a host sum.
-  bool holds(size_t index) const { return held_[index] != 0; }
+  // Whether bucket `index` holds a host sum (none once an error of the worker was taken since
+  // the sums were begun: see drop_failed()).
+  bool holds(size_t index) const;
   // GPU: the stream take() and what follows it run on (the worker's host-to-device stream).
   c10::Stream stream() const { return worker_->h2d_stream(); }
   // Bucket `index` (holds()) was allocated as `flat`: its sum is copied into it on the current
@@ -88,6 +89,14 @@ class HostAccumulator {
     at::Tensor incoming;
   };
   int64_t bytes(bool pinned_only) const;
+  // At add(): drops every held sum if the worker handed an error out (HostWorker::
+  // errors_taken(), the next forward raising it) since they were begun. A failed addition, or
+  // one the worker dropped with its queue after another job's error, left them partial; those
+  // posted after the error ran, into sums missing a micro-batch. So no step ever uses a sum
+  // begun before an error the training loop saw: the loop that goes on after it (zero_grad()
+  // or not) accumulates afresh, as after a backward that raised. (Steps submitted while the
+  // error is held are dropped by HostOffload; take() of such a sum only feeds them.)
+  void drop_failed();
   // Blocks until bucket `index`'s last addition is done (at once if it is), not for the
   // worker's later jobs.
   void wait_added(size_t index);
@@ -104,6 +113,8 @@ class HostAccumulator {
   std::vector<int64_t> added_;  // per bucket: its last addition's number
   std::shared_ptr<std::atomic<int64_t>> done_ = std::make_shared<std::atomic<int64_t>>(0);
   std::vector<double> addition_delays_;  // delay_additions()
+  // The worker's errors_taken() when the sums held were begun (set by discard()).
+  int64_t errors_seen_ = 0;
 };
 
 }  // namespace leanddp

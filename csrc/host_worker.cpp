@@ -102,6 +102,7 @@ std::exception_ptr HostWorker::take_error(const std::function<void()>& then) {
   {
     std::lock_guard<std::mutex> lock(sync_->mu);
     error = std::exchange(error_, nullptr);
+    if (error) ++errors_taken_;
     if (error && then) then();
   }
   if (error) sync_->cv.notify_all();

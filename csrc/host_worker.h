@@ -119,6 +119,11 @@ class HostWorker {
   // has re-taken the lock co-owned with the thread and seen `stop`; it then returns.
   void shutdown();
 
+  // How many errors take_error() has handed out so far (any thread). A client whose data a
+  // failed or dropped job may have left partial (the accumulator's host sums) drops that data
+  // once this has moved since the data was begun.
+  int64_t errors_taken() const { return errors_taken_.load(); }
+
   // Tests: clients sleep `seconds` before each step or addition they run here (0: not).
   void delay_jobs(double seconds) { delay_ = seconds; }
   double delay() const { return delay_; }
@@ -166,6 +171,7 @@ class HostWorker {
   at::TensorOptions staging_options_;
   std::atomic<double> delay_{0};
   std::array<FaultPlan, 2> faults_;
+  std::atomic<int64_t> errors_taken_{0};  // take_error()'s count of errors handed out
 
   std::shared_ptr<Sync> sync_ = std::make_shared<Sync>();
   // Guarded by sync_->mu.
