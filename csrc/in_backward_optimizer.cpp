@@ -6,6 +6,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <utility>
+
 namespace leanddp {
 namespace {
 
@@ -118,6 +120,7 @@ void InBackwardOptimizer::skipped(const std::vector<int64_t>& params) {
 void InBackwardOptimizer::end_of_backward() {
   std::lock_guard<std::mutex> lock(mu_);
   in_backward_ = false;
+  ended_since_forward_ = true;
   TORCH_CHECK(group_, "leanddp.DistributedDataParallel: a backward after the wrapper was closed");
   steps_->end_of_backward(*group_);
 }
@@ -137,6 +140,7 @@ void InBackwardOptimizer::gathered() {
 void InBackwardOptimizer::abandon() {
   std::lock_guard<std::mutex> lock(mu_);
   in_backward_ = false;
+  ended_since_forward_ = true;
   steps_->abandon();
 }
 
@@ -191,6 +195,7 @@ void InBackwardOptimizer::wait(bool host_too, bool order_device) {
 }
 
 void InBackwardOptimizer::wait_locked(bool host_too, bool order_device) {
+  ended_since_forward_ = false;  // (this wait raises an error the worker met)
   steps_->wait(host_too);
   if (order_device && events_ && steps_->caller_follows()) {
     stream_wait(current_stream(params_.front().device()), steps_->stream(), *events_);
@@ -226,9 +231,19 @@ std::vector<int64_t> InBackwardOptimizer::pending_steps(bool follow_copies) {
 
 void InBackwardOptimizer::follow_steps() {
   std::lock_guard<std::mutex> lock(mu_);
+  const bool ended = std::exchange(ended_since_forward_, false);
   // (pending_steps() is also empty where the forward waits later, which a forward without
   // gradients does not: a step still pending is waited for here then)
-  if (host_ && host_->pending().empty()) return host_->follow_copies();
+  if (host_ && host_->pending().empty()) {
+    // After no_sync() backwards only, an error the worker met (an addition's) is not raised
+    // here: whether it is met yet depends on this rank's timing, so a rank whose worker is
+    // slower would not raise at this forward and be left alone in the next collective. It is
+    // raised, on every rank alike, at the forward after the synchronized backward (whose take()
+    // of each sum waited for its additions, and whose steps the held error dropped), or by any
+    // full wait before.
+    if (!ended) return host_->order_after_copies();
+    return host_->follow_copies();
+  }
   wait_locked(/*host_too=*/false, /*order_device=*/true);
 }
 

@@ -171,8 +171,10 @@ class InBackwardOptimizer {
   std::vector<int64_t> pending_steps(bool follow_copies);
   // The next forward where pending_steps() is empty: as wait_for_steps(false), except that with
   // offload_to_cpu and no host step pending the host does not wait for the worker (it may be
-  // summing no_sync() micro-batches); an error it met is rethrown, and on a GPU the current
-  // stream waits for the copies back.
+  // summing no_sync() micro-batches); on a GPU the current stream waits for the copies back,
+  // and an error the worker met is rethrown if a synchronized backward ended (or was
+  // abandoned) since the last forward, else kept (see the .cpp: every rank raises it at the
+  // same forward).
   void follow_steps();
   // The host waits for bucket `index`'s host step (only), then on a GPU the current stream
   // waits for its copy back; a no-op without offload_to_cpu. The next forward calls it for each
@@ -266,6 +268,9 @@ class InBackwardOptimizer {
   std::vector<ShardLayout> shards_;
   bool in_backward_ = false;  // a bucket was taken and the backward not ended or abandoned
   bool armed_ = false;        // set_iteration
+  // A synchronized backward ended or was abandoned since the last follow_steps() or full
+  // wait (which clear it): the next follow_steps() raises an error the host worker met.
+  bool ended_since_forward_ = false;
   bool forward_waits_all_ = true;
   // begin_relayout(), sharded: each old bucket's state buffers gathered whole, for relayout().
   std::vector<std::vector<at::Tensor>> old_full_;
