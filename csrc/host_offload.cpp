@@ -183,6 +183,11 @@ void HostOffload::wait_stepped(size_t index) {
 }
 
 void HostOffload::wait(bool host_too) {
+  wait_keeping_error(host_too);
+  if (std::exception_ptr error = take_error()) std::rethrow_exception(error);
+}
+
+void HostOffload::wait_keeping_error(bool host_too) {
   {
     std::unique_lock<std::mutex> lock = worker_->lock();
     block_until(lock,
@@ -190,7 +195,7 @@ void HostOffload::wait(bool host_too) {
   }
   // (the worker is idle; the only other client, the accumulator, queues additions inside
   // backward, never while its owner waits here)
-  follow_copies(host_too);
+  order_after_copies(host_too);
 }
 
 void HostOffload::follow_copies(bool host_too) {

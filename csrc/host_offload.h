@@ -151,6 +151,10 @@ class HostOffload {
   // back (and the host too, if `host_too`: before the host buffers are read or written).
   // Rethrows (once) an error the worker met; its later jobs were dropped.
   void wait(bool host_too);
+  // wait() that keeps an error the worker met for the next wait() or follow_copies(): for a
+  // forward whose full wait comes later, at the same point on every rank (an armed backward
+  // that never ended, wound up by the Reducer).
+  void wait_keeping_error(bool host_too = false);
   // wait() without waiting for the worker, for a forward with no step pending (pending()
   // empty): on a GPU the current stream waits for the copies back queued so far (and the host
   // too, if `host_too`); rethrows (once) an error the worker met. The worker may still be

@@ -232,18 +232,26 @@ std::vector<int64_t> InBackwardOptimizer::pending_steps(bool follow_copies) {
 void InBackwardOptimizer::follow_steps() {
   std::lock_guard<std::mutex> lock(mu_);
   const bool ended = std::exchange(ended_since_forward_, false);
+  // An error the worker met is kept here (not raised) in two cases:
+  // - After no_sync() backwards only (an addition's error): whether it is met yet depends on
+  //   this rank's timing, so a rank whose worker is slower would not raise at this forward and
+  //   be left alone in the next collective. It is raised, on every rank alike, at the forward
+  //   after the synchronized backward (whose take() of each sum waited for its additions, and
+  //   whose steps the held error dropped), or by any full wait before.
+  // - While a synchronized backward is armed (a forward prepared it; it raised part-way, or has
+  //   not run yet): the next forward with gradients winds it up (Reducer::recover_unfinished),
+  //   and that full wait raises it, before the module's forward, on every rank alike. Taken here
+  //   by a rank whose worker was still stepping and not by one whose worker was done, it would
+  //   be raised at different points of the forward, and the wind-up would step the remaining
+  //   buckets on one rank and drop them on the other (a held error drops them on every rank).
+  //   (If that backward runs to its end instead, the forward after it raises it.)
+  const bool keep = armed_ || !ended;
   // (pending_steps() is also empty where the forward waits later, which a forward without
   // gradients does not: a step still pending is waited for here then)
   if (host_ && host_->pending().empty()) {
-    // After no_sync() backwards only, an error the worker met (an addition's) is not raised
-    // here: whether it is met yet depends on this rank's timing, so a rank whose worker is
-    // slower would not raise at this forward and be left alone in the next collective. It is
-    // raised, on every rank alike, at the forward after the synchronized backward (whose take()
-    // of each sum waited for its additions, and whose steps the held error dropped), or by any
-    // full wait before.
-    if (!ended) return host_->order_after_copies();
-    return host_->follow_copies();
+    return keep ? host_->order_after_copies() : host_->follow_copies();
   }
+  if (host_ && armed_) return host_->wait_keeping_error();  // (the steps land before the read)
   wait_locked(/*host_too=*/false, /*order_device=*/true);
 }
 

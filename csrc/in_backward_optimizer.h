@@ -174,7 +174,9 @@ class InBackwardOptimizer {
   // summing no_sync() micro-batches); on a GPU the current stream waits for the copies back,
   // and an error the worker met is rethrown if a synchronized backward ended (or was
   // abandoned) since the last forward, else kept (see the .cpp: every rank raises it at the
-  // same forward).
+  // same forward). While a synchronized backward is armed (prepared by a forward, not ended),
+  // a pending step is waited for and the error is kept either way, for the Reducer's wind-up
+  // of that backward at the next forward with gradients (or the forward after it) to raise.
   void follow_steps();
   // The host waits for bucket `index`'s host step (only), then on a GPU the current stream
   // waits for its copy back; a no-op without offload_to_cpu. The next forward calls it for each

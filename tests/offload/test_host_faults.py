@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from fault_harness import PG_TIMEOUT, group, run_faulty
-from fault_models import ADAMW, Tower, assert_close, batches
+from fault_models import ADAMW, Poison, Tower, assert_close, batches
 
 import leanddp
 from leanddp._extension import _C
@@ -58,9 +58,11 @@ class Reference:
         self.optimizer.step()
 
 
-def _wrap(model: torch.nn.Module, shard: bool, clip: float | None, pg: dist.ProcessGroup):
+def _wrap(
+    model: torch.nn.Module, shard: bool, clip: float | None, pg: dist.ProcessGroup, cap=0.002
+):
     return leanddp.DistributedDataParallel(
-        copy.deepcopy(model), process_group=pg, bucket_cap_mb=0.002,
+        copy.deepcopy(model), process_group=pg, bucket_cap_mb=cap,
         optimizer_in_backward=ADAMW, offload_to_cpu=True, shard_optimizer_state=shard,
         max_grad_norm=clip,
     )  # fmt: skip
@@ -263,3 +265,76 @@ def test_a_rank_dying_while_its_worker_steps(shard: bool) -> None:
     result = survivor.value
     assert "elapsed" in result, f"rank 0 trained on after its peer died: {result}"
     assert result["elapsed"] < STEP_DELAY + TIMEOUT_S + 10, result
+
+
+class _Pause(torch.autograd.Function):
+    """Identity; its backward sleeps, so that the reductions launched before it are done when
+    the next hook asks (the synchronized backward then steps their buckets in its hooks)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.2)
+        return grad
+
+
+def _unfinished(rank: int, world_size: int, buffers: bool) -> dict:
+    """A synchronized backward raises part-way (Poison, after layers.0), one bucket per layer:
+    layers 3 and 2's buckets were reduced during _Pause and their host steps queued in the
+    hooks, the first of which fails on every rank (rank 0's worker SLOW: still stepping at the
+    next forward, rank 1's done); layer 1's bucket was launched, not stepped (the next forward
+    winds the backward up: it steps that bucket, or drops its step). The next forward raises
+    the step's error: where (before or after the module's forward), and what the ranks hold."""
+    torch.manual_seed(7)
+    model = Tower(poison_at="first")
+    model.layers[2].register_forward_pre_hook(lambda m, args: (_Pause.apply(args[0]),))
+    if buffers:  # broadcast from rank 0 at each forward, between the two places to raise
+        model.register_buffer("seen", torch.zeros(3))
+    data = batches(STEPS, 1, seed=3)
+    ours = _wrap(model, False, None, group(), cap=0.0005)
+    for step in range(2):
+        assert _step(ours, data[step]) is None
+    assert len(ours.reducer.bucket_indices()) == 4  # (rebuilt in backward's order)
+    before = _params(ours)
+    _arm(ours, "step", rank, (0, 1))
+    Poison.mode = "raise"
+    try:
+        ours(data[2][0]).square().mean().backward()
+        raise AssertionError("the poisoned backward did not raise")
+    except ValueError:
+        pass
+    finally:
+        Poison.mode = None
+    ran: list[int] = []
+    ours.module.register_forward_pre_hook(lambda m, args: ran.append(1))
+    out: dict = {"where": None}
+    try:
+        ours(data[3][0])
+    except RuntimeError as e:
+        assert MESSAGE in str(e), e
+        out["where"] = "after module" if ran else "before module"
+    _arm(ours, "step", rank, ())
+    out["unchanged"] = torch.equal(_params(ours), before)
+    assert _step(ours, data[3]) is None  # training goes on, in step on every rank
+    state = torch.cat([_params(ours), *(b.flatten() for b in ours.module.buffers())])
+    gathered = [torch.empty_like(state) for _ in range(world_size)]
+    dist.all_gather(gathered, state)
+    out["agree"] = torch.equal(gathered[0], gathered[1])
+    return out
+
+
+@pytest.mark.parametrize("buffers", [False, True], ids=["params", "buffers"])
+def test_a_host_step_failing_in_a_backward_that_raised(buffers: bool) -> None:
+    """Every rank raises the error at the same point of the next forward (before the module's,
+    where the Reducer winds up the unfinished backward), no weight of that backward changed and
+    training goes on alike on both ranks (with a buffer broadcast in between: no rank is left
+    alone in the broadcast)."""
+    outcomes = run_faulty(2, _unfinished, buffers, limit=120)
+    for o in outcomes:
+        assert o.error is None and not o.died, o.message
+    values = [o.value for o in outcomes]
+    assert [v["where"] for v in values] == ["before module"] * 2, values
+    assert all(v["unchanged"] and v["agree"] for v in values), values
