@@ -52,6 +52,9 @@ def gloo_rendezvous_keys(group: dist.ProcessGroup) -> list[tuple[dist.Store, str
         device_types = list(group._device_types)
     except (AttributeError, KeyError, RuntimeError):
         return []  # a group torch does not track (a fake or custom group)
+    gloo = getattr(dist, "ProcessGroupGloo", None)  # (None in a torch built without gloo)
+    if gloo is None:
+        return []
     found: list[tuple[dist.Store, str]] = []
     rank = str(group.rank())
     for device in device_types:
@@ -59,7 +62,7 @@ def gloo_rendezvous_keys(group: dist.ProcessGroup) -> list[tuple[dist.Store, str
             backend = group._get_backend(torch.device(device))
         except RuntimeError:
             continue
-        if not isinstance(backend, dist.ProcessGroupGloo):
+        if not isinstance(backend, gloo):
             continue
         per_device = dist.PrefixStore(f"{torch.device(device).type}/", store)
         for index in range(_MAX_GLOO_DEVICES):
