@@ -79,6 +79,13 @@ def _seed(request):
     random.seed(seed)
 
 
+@pytest.fixture
+def run_seed() -> int:
+    """The run's seed (LEANDDP_TEST_SEED), the same for every test of a run: for a choice that
+    must change between runs alike across tests (which tests take which half of a matrix)."""
+    return BASE_SEED
+
+
 def pytest_generate_tests(metafunc):
     if "device" in metafunc.fixturenames:
         metafunc.parametrize("device", DEVICES)
