@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -73,14 +72,10 @@ class Launch:
 
 
 def rank_env() -> dict[str, str]:
-    """The ranks' environment: one thread each, no GPU, and the leanddp this process would
-    import first on PYTHONPATH (an in-place build under python/ or the installed one)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    spec = importlib.util.find_spec("leanddp")
-    if spec is not None and spec.origin is not None:
-        where = str(Path(spec.origin).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [where, env.get("PYTHONPATH")]))
-    return env
+    """The ranks' environment: one thread each, no GPU; they inherit this interpreter's
+    PYTHONPATH and site-packages, so they import the leanddp it would (an in-place build on
+    PYTHONPATH, or the installed one)."""
+    return dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 
 
 def classify(returncode: int | None, output: str) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -73,12 +72,9 @@ def command(nproc: int, args: list[str]) -> list[str]:
 
 
 def environment(smoke: bool) -> dict[str, str]:
+    # (the ranks inherit this interpreter's PYTHONPATH and site-packages, so they import the
+    # leanddp it would: an in-place build on PYTHONPATH, or the installed one)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    # the leanddp this process would import (an in-place build under python/ or an installed one)
-    spec = importlib.util.find_spec("leanddp")
-    if spec is not None and spec.origin is not None:
-        where = str(Path(spec.origin).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [where, env.get("PYTHONPATH")]))
     if smoke:
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
