@@ -14,7 +14,8 @@
 #           pyproject.toml, the GPU's architecture and the torch version
 #   the tests part: pytest with the GPU visible, over the cases that need one (-k "cuda or gpu":
 #           their CPU cases run in CI) of tests/ops/test_flatten.py tests/ops/test_optim_ops.py
-#           tests/ops/test_cuda_ops.py tests/ops/test_layout_ops.py tests/offload/test_offload.py
+#           tests/ops/test_cuda_ops.py tests/ops/test_layout_ops.py tests/ops/test_optim8_cuda.py
+#           tests/offload/test_offload.py
 #           tests/offload/test_host_accumulation.py tests/offload/test_forward_waits.py
 #           tests/in_backward/test_in_backward_lowp.py
 #           tests/device/test_cuda_ddp_parity.py tests/device/test_cuda_ddp_async.py; then
@@ -73,7 +74,7 @@ TESTS_BUDGET_S=570   # the tests part, pytest included: 9.5 minutes
 SANITIZER_MAX_S=240  # one compute-sanitizer run at most
 SANITIZER_MIN_S=60   # one compute-sanitizer run at least (pytest is capped so that three fit)
 OPS_TESTS=(tests/ops/test_flatten.py tests/ops/test_optim_ops.py tests/ops/test_cuda_ops.py
-  tests/ops/test_layout_ops.py)
+  tests/ops/test_layout_ops.py tests/ops/test_optim8_cuda.py)
 # the wrapper's GPU tests: every case in them needs a GPU (-k "cuda" selects them by file name)
 DDP_TESTS=(tests/device/test_cuda_ddp_parity.py tests/device/test_cuda_ddp_async.py)
 # the tests part's pytest arguments: the cases of these files that need a GPU (their CPU cases

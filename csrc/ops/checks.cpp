@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 namespace leanddp::ops {
 namespace {
@@ -261,13 +262,9 @@ void check_scalars(const char* op, at::TensorList params, const DeviceScalars& s
   }
 }
 
-}  // namespace
-
-void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
-                     at::TensorList exp_avg_sq, at::TensorList param_copy, double lr, double beta1,
-                     double beta2, double eps, double weight_decay, int64_t step,
-                     std::optional<double> grad_scale, const DeviceScalars& scalars) {
-  constexpr const char* op = "leanddp::adam_step_";
+// Adam's hyper-parameters (adam_step_, adam8bit_step_).
+void check_adam_hyper(const char* op, double lr, double beta1, double beta2, double eps,
+                      double weight_decay, int64_t step, std::optional<double> grad_scale) {
   check_finite_nonneg(op, "lr", lr);
   check_unit_interval(op, "beta1", beta1);
   check_unit_interval(op, "beta2", beta2);
@@ -276,6 +273,16 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
   TORCH_CHECK_VALUE(step >= 1, op, ": step must be >= 1 (the 1-based count of this update), got ",
                     step);
   check_grad_scale(op, grad_scale);
+}
+
+}  // namespace
+
+void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
+                     at::TensorList exp_avg_sq, at::TensorList param_copy, double lr, double beta1,
+                     double beta2, double eps, double weight_decay, int64_t step,
+                     std::optional<double> grad_scale, const DeviceScalars& scalars) {
+  constexpr const char* op = "leanddp::adam_step_";
+  check_adam_hyper(op, lr, beta1, beta2, eps, weight_decay, step, grad_scale);
   check_scalars(op, params, scalars);
   check_optim_lists(op, params, grads, {{"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}},
                     param_copy);
@@ -301,6 +308,90 @@ void check_sgd_args(at::TensorList params, at::TensorList grads, at::TensorList 
   } else {
     check_optim_lists(op, params, grads, {{"momentum_buffer", momentum_buffer}}, param_copy);
   }
+}
+
+void check_adam8_args(const Adam8Args& a, double lr, double beta1, double beta2, double eps,
+                      double weight_decay, int64_t step, std::optional<double> grad_scale,
+                      const std::optional<at::Tensor>& found_inf) {
+  constexpr const char* op = "leanddp::adam8bit_step_";
+  check_adam_hyper(op, lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+  const DeviceScalars scalars{std::nullopt, {}, std::nullopt, found_inf};
+  check_scalars(op, a.params, scalars);
+  // params, grads and param_copy as for adam_step_; the state lists are checked here.
+  check_optim_lists(op, a.params, a.grads, {}, a.param_copy);
+  const size_t n = a.params.size();
+  for (const NamedList& l : {NamedList{"exp_avg", a.exp_avg},
+                             {"exp_avg_sq", a.exp_avg_sq},
+                             {"exp_avg_scale", a.exp_avg_scale},
+                             {"exp_avg_sq_scale", a.exp_avg_sq_scale}}) {
+    TORCH_CHECK_VALUE(l.tensors.size() == n, op, ": ", l.name, " has ", l.tensors.size(),
+                      " tensors but params has ", n);
+  }
+  if (n == 0) return;
+  const auto device = a.params[0].device();
+  for (const auto& [name, q] : {std::pair<const char*, const at::Tensor&>{"qmap_signed", a.qmap_s},
+                                {"qmap_unsigned", a.qmap_u}}) {
+    TORCH_CHECK_TYPE(q.scalar_type() == at::kFloat, op, ": ", name, " has dtype ", q.scalar_type(),
+                     "; expected Float");
+    TORCH_CHECK_VALUE(q.dim() == 1 && q.numel() == kQmapSize && q.is_contiguous(), op, ": ", name,
+                      " must be a contiguous 1-D tensor of ", kQmapSize, " entries, got shape ",
+                      q.sizes());
+    TORCH_CHECK_VALUE(q.device() == device, op, ": ", name, " is on ", q.device(),
+                      " but params[0] is on ", device);
+  }
+  std::vector<Access> accesses;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = a.params[i];
+    const at::Tensor* states[2] = {&a.exp_avg[i], &a.exp_avg_sq[i]};
+    const at::Tensor* scales[2] = {&a.exp_avg_scale[i], &a.exp_avg_sq_scale[i]};
+    const char* names[2] = {"exp_avg", "exp_avg_sq"};
+    const char* scale_names[2] = {"exp_avg_scale", "exp_avg_sq_scale"};
+    const bool quantized = states[0]->scalar_type() == at::kByte;
+    for (int k = 0; k < 2; ++k) {
+      const at::Tensor& s = *states[k];
+      const at::Tensor& sc = *scales[k];
+      TORCH_CHECK_VALUE(s.device() == device && sc.device() == device, op, ": ", names[k], "[", i,
+                        "] and ", scale_names[k], "[", i, "] must be on ", device);
+      TORCH_CHECK_VALUE(s.numel() == p.numel(), op, ": ", names[k], "[", i, "] has ", s.numel(),
+                        " elements but params[", i, "] has ", p.numel());
+      if (quantized) {
+        TORCH_CHECK_TYPE(s.scalar_type() == at::kByte, op, ": ", names[k], "[", i, "] has dtype ",
+                         s.scalar_type(), " but exp_avg[", i,
+                         "] is Byte; both moments are 8-bit codes or both plain");
+        TORCH_CHECK_VALUE(p.is_contiguous() && s.is_contiguous(), op, ": params[", i, "] and ",
+                          names[k], "[", i, "] must be contiguous for 8-bit state");
+        TORCH_CHECK_TYPE(sc.scalar_type() == at::kFloat, op, ": ", scale_names[k], "[", i,
+                         "] has dtype ", sc.scalar_type(), "; expected Float");
+        const int64_t blocks = sc.numel();
+        TORCH_CHECK_VALUE(sc.dim() == 1 && sc.is_contiguous() && blocks > 0 &&
+                              p.numel() % blocks == 0 && p.numel() / blocks <= kMaxQuantBlock,
+                          op, ": ", scale_names[k], "[", i, "] must be a contiguous 1-D tensor of ",
+                          "one scale per block of at most ", kMaxQuantBlock,
+                          " elements dividing params[", i, "] (", p.numel(),
+                          " elements), got shape ", sc.sizes());
+        TORCH_CHECK_VALUE(blocks == scales[0]->numel(), op, ": ", scale_names[k], "[", i, "] has ",
+                          blocks, " blocks but exp_avg_scale[", i, "] has ", scales[0]->numel());
+      } else {
+        TORCH_CHECK_TYPE(s.scalar_type() == p.scalar_type(), op, ": ", names[k], "[", i,
+                         "] has dtype ", s.scalar_type(), "; plain state of ", p.scalar_type(),
+                         " params is ", p.scalar_type(), " (or Byte codes with scales)");
+        TORCH_CHECK_VALUE(same_memory_order(s, p), op, ": ", names[k], "[", i,
+                          "] must be laid out like params[", i, "]");
+        TORCH_CHECK_VALUE(sc.numel() == 0, op, ": ", scale_names[k], "[", i,
+                          "] must be empty for plain (not Byte) state, got ", sc.numel(),
+                          " elements");
+      }
+      accesses.push_back({span_of(s), true, names[k], i});
+      accesses.push_back({span_of(sc), true, scale_names[k], i});
+    }
+    accesses.push_back({span_of(p), true, "params", i});
+    accesses.push_back({span_of(a.grads[i]), false, "grads", i});
+    if (!a.param_copy.empty())
+      accesses.push_back({span_of(a.param_copy[i]), true, "param_copy", i});
+  }
+  accesses.push_back({span_of(a.qmap_s), false, "qmap_signed", 0});
+  accesses.push_back({span_of(a.qmap_u), false, "qmap_unsigned", 0});
+  check_no_shared_writes(op, accesses);
 }
 
 ScalarPtrs scalar_ptrs(const DeviceScalars& s) {

@@ -6,6 +6,7 @@
 // inputs.
 #pragma once
 
+#include "optim8_math.h"
 #include "optim_math.h"
 
 #include <ATen/core/Tensor.h>
@@ -53,6 +54,16 @@ struct DeviceScalars {
   const std::optional<at::Tensor>& found_inf;  // one float32 element
 };
 
+// The tensors of one adam8bit_step_ call (schemas.cpp): exp_avg[i] and exp_avg_sq[i] are both
+// uint8 codes (params[i] contiguous, each scale list entry one float32 per block of
+// numel / scale.numel() elements, at most kMaxQuantBlock) or both plain state in the param's dtype
+// and layout (empty scale entries).
+struct Adam8Args {
+  at::TensorList params, grads, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_copy;
+  const at::Tensor& qmap_s;  // torchao's signed map (exp_avg): 256 sorted float32 entries
+  const at::Tensor& qmap_u;  // its unsigned map (exp_avg_sq)
+};
+
 // The addresses of the lr tensor and amp scale of `s` (checked), for apply_scalars().
 ScalarPtrs scalar_ptrs(const DeviceScalars& s);
 
@@ -63,6 +74,9 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
                      at::TensorList exp_avg_sq, at::TensorList param_copy, double lr, double beta1,
                      double beta2, double eps, double weight_decay, int64_t step,
                      std::optional<double> grad_scale, const DeviceScalars& scalars);
+void check_adam8_args(const Adam8Args& a, double lr, double beta1, double beta2, double eps,
+                      double weight_decay, int64_t step, std::optional<double> grad_scale,
+                      const std::optional<at::Tensor>& found_inf);
 void check_sgd_args(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffer,
                     at::TensorList param_copy, double lr, double momentum, double dampening,
                     bool nesterov, double weight_decay, std::optional<double> grad_scale,

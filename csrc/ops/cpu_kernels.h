@@ -2,7 +2,9 @@
 // widest instruction set the running CPU supports (chosen once, at load time).
 #pragma once
 
+#include "optim8_math.h"
 #include "optim_math.h"
+#include "quant_table.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -10,6 +12,14 @@
 #include <cstdint>
 
 namespace leanddp::ops {
+
+// The maps of 8-bit Adam's moments (host memory) and, where built, their quant_table()s.
+struct QuantMaps {
+  const float* qs;  // exp_avg's (signed)
+  const float* qu;  // exp_avg_sq's (unsigned)
+  const QuantTable* ts = nullptr;
+  const QuantTable* tu = nullptr;
+};
 
 struct CpuLoops {
   const char* name;  // "avx512", "avx2" or "baseline"
@@ -37,6 +47,18 @@ struct CpuLoops {
                     int64_t tail, const AdamConsts& c) = nullptr;
   void (*sgd_half)(c10::Half* p, const c10::Half* g, c10::Half* buf, int64_t n,
                    const SgdConsts& c) = nullptr;
+  // Block-wise 8-bit Adam(W) (optim8_math.h): one quantization block of n float parameters and
+  // gradients, its codes and scales updated in place (mbuf, vbuf: n floats of scratch) ...
+  void (*adam8_quant)(float* p, const float* g, uint8_t* cm, uint8_t* cv, float* sm, float* sv,
+                      const QuantMaps& maps, int64_t n, const Adam8Consts& c, float* mbuf,
+                      float* vbuf);
+  // The codes of x[i] / scale (x: scratch, overwritten) through `table` if exact, else the
+  // binary search (optim8_math.h's quantize_code either way).
+  void (*quant8)(float* x, float scale, const float* qmap, const QuantTable* table, uint8_t* codes,
+                 int64_t n);
+  // ... or n elements of a parameter with plain float moments.
+  void (*adam8_plain)(float* p, const float* g, float* m, float* v, int64_t n,
+                      const Adam8Consts& c);
 };
 
 // The loops for this CPU.

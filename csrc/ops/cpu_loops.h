@@ -70,6 +70,8 @@ LEANDDP_ISA_ATTR void convert_block(const From* __restrict src, To* __restrict d
 #include "cpu_loops_f16.h"
 #endif
 
+#include "cpu_loops_8bit.h"
+
 template <typename T>
 LEANDDP_ISA_ATTR void scale_block(const T* src, T* dst, int64_t n, double scale) {
   // src == dst is allowed (in-place scaling of a tensor that is its own flat slice).
@@ -92,6 +94,9 @@ inline CpuLoops make_loops(const char* name) {
   l.scale_double = &scale_block<double>;
   l.scale_bf16 = &scale_block<c10::BFloat16>;
   l.scale_half = &scale_block<c10::Half>;
+  l.adam8_quant = &adam8_quant_block;
+  l.adam8_plain = &adam8_plain_block;
+  l.quant8 = &quant8;
 #if LEANDDP_ISA_F16C
   l.scale_half = &scale_half_block;
   l.adam_half = &adam_half_block;

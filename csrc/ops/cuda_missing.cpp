@@ -16,7 +16,8 @@ void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack*) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(leanddp, CUDA, m) {
-  for (const char* name : {"flatten_into", "unflatten_from", "adam_step_", "sgd_step_"}) {
+  for (const char* name :
+       {"flatten_into", "unflatten_from", "adam_step_", "sgd_step_", "adam8bit_step_"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   }
 }

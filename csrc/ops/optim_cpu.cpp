@@ -10,6 +10,7 @@
 // written once.
 #include "checks.h"
 #include "chunks.h"  // ConcatRange
+#include "cpu_common.h"
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -23,29 +24,6 @@ namespace {
 constexpr int64_t kBlockElems = 512;  // elements per inner pass: a few KiB per stream
 // Fewer elements than this per thread cost more in threading than they save.
 constexpr int64_t kGrainElems = 32 << 10;
-
-// n elements of `src` (float, bfloat16 or float16, starting at element `at`) as floats: `src`
-// itself when float, else converted into `buf`.
-float* as_float(at::ScalarType dtype, void* src, int64_t at, int64_t n, float* buf) {
-  const auto& loops = cpu_loops();
-  if (dtype == at::kFloat) return static_cast<float*>(src) + at;
-  if (dtype == at::kBFloat16) {
-    loops.bf16_to_float(static_cast<const c10::BFloat16*>(src) + at, buf, n);
-  } else {
-    loops.half_to_float(static_cast<const c10::Half*>(src) + at, buf, n);
-  }
-  return buf;
-}
-
-// Rounds the n floats of `buf` into `dst` (bfloat16 or float16, from element `at`).
-void store_low(at::ScalarType dtype, const float* buf, void* dst, int64_t at, int64_t n) {
-  const auto& loops = cpu_loops();
-  if (dtype == at::kBFloat16) {
-    loops.float_to_bf16(buf, static_cast<c10::BFloat16*>(dst) + at, n);
-  } else {
-    loops.float_to_half(buf, static_cast<c10::Half*>(dst) + at, n);
-  }
-}
 
 std::vector<void*> ptrs(at::TensorList list) {
   std::vector<void*> out(list.size());
@@ -127,17 +105,6 @@ bool for_each_low_piece(at::TensorList params, at::TensorList grads, at::TensorL
   at::parallel_for(0, range.total(), kGrainElems,
                    [&](int64_t first, int64_t last) { range.for_each_piece(first, last, step); });
   return true;
-}
-
-// Element i of tensor t's memory.
-template <typename T>
-T* at_elem(const at::Tensor& t, int64_t i) {
-  return static_cast<T*>(const_cast<void*>(t.const_data_ptr())) + i;
-}
-
-// Whether GradScaler's found_inf says this step must not happen (torch's fused kernels: return).
-bool skipped(const std::optional<at::Tensor>& found_inf) {
-  return found_inf.has_value() && *found_inf->const_data_ptr<float>() != 0.0f;
 }
 
 void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,

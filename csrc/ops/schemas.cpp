@@ -31,4 +31,18 @@ TORCH_LIBRARY(leanddp, m) {
       "Tensor(c!)[] param_copy, *, float lr, float momentum, float dampening, bool nesterov, "
       "float weight_decay, bool maximize, bool first_step, float? grad_scale, "
       "Tensor? lr_tensor=None, Tensor? amp_scale=None, Tensor? found_inf=None) -> ()");
+  // One step of torchao's block-wise 8-bit Adam (decoupled_weight_decay=False) or AdamW
+  // (optim8_math.h). exp_avg[i] and exp_avg_sq[i] are uint8 codes, one per element of the
+  // contiguous params[i], with one float32 scale per block of numel / scale.numel() elements in
+  // exp_avg_scale[i] / exp_avg_sq_scale[i], dequantized through qmap_signed / qmap_unsigned
+  // (torchao's 256-entry maps, on the params' device); or plain state in the params' dtype, with
+  // empty scale entries (torchao's state of small parameters). params, grads and param_copy as
+  // for adam_step_; step is the 1-based count of this update; grad_scale multiplies the
+  // gradients; a nonzero found_inf makes the call do nothing.
+  m.def(
+      "adam8bit_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avg, "
+      "Tensor(c!)[] exp_avg_sq, Tensor(d!)[] exp_avg_scale, Tensor(e!)[] exp_avg_sq_scale, "
+      "Tensor(f!)[] param_copy, Tensor qmap_signed, Tensor qmap_unsigned, *, float lr, "
+      "float beta1, float beta2, float eps, float weight_decay, int step, "
+      "bool decoupled_weight_decay, float? grad_scale, Tensor? found_inf=None) -> ()");
 }

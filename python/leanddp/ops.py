@@ -29,6 +29,7 @@ _flatten_into = torch.ops.leanddp.flatten_into.default
 _unflatten_from = torch.ops.leanddp.unflatten_from.default
 _adam_step = torch.ops.leanddp.adam_step_.default
 _sgd_step = torch.ops.leanddp.sgd_step_.default
+_adam8bit_step = torch.ops.leanddp.adam8bit_step_.default
 
 
 def _as_list(x: TensorOrList | None) -> Sequence[Tensor]:
@@ -221,6 +222,80 @@ def sgd_step_(
     )
 
 
+def adam8bit_step_(
+    params: TensorOrList,
+    grads: TensorOrList,
+    exp_avg: TensorOrList,
+    exp_avg_sq: TensorOrList,
+    exp_avg_scale: TensorOrList,
+    exp_avg_sq_scale: TensorOrList,
+    qmap_signed: Tensor,
+    qmap_unsigned: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    decoupled_weight_decay: bool = True,
+    grad_scale: float | None = None,
+    param_copy: TensorOrList | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """One step of torchao's block-wise 8-bit ``AdamW8bit`` (or ``Adam8bit``), in place.
+
+    The moments of a parameter are either 8-bit (``exp_avg[i]`` and ``exp_avg_sq[i]`` uint8 codes
+    shaped like the contiguous parameter, ``exp_avg_scale[i]`` and ``exp_avg_sq_scale[i]`` one
+    float32 scale per block of ``numel // scale.numel()`` elements, at most 4096) or plain (the
+    parameter's dtype and layout, with empty scale tensors): torchao keeps the moments of
+    parameters under 4096 elements or not a multiple of the block plain. The update and the
+    requantization follow torchao's ``single_param_adam`` (see ``csrc/ops/optim8_math.h``).
+
+    Args:
+        params: updated in place (a flat tensor, or a list): float32 (``grads`` float32, bfloat16
+            or float16), or bfloat16/float16 with ``grads`` of their dtype.
+        grads: matching ``params``; not modified.
+        exp_avg: codes through ``qmap_signed``, or plain state; updated in place.
+        exp_avg_sq: codes through ``qmap_unsigned``, or plain state; updated in place.
+        exp_avg_scale: the scales of ``exp_avg`` (empty for plain state); updated in place.
+        exp_avg_sq_scale: the scales of ``exp_avg_sq``; updated in place.
+        qmap_signed: torchao's signed map (256 float32 entries, the ``qmap`` of its
+            ``OptimState8bit``), on the parameters' device.
+        qmap_unsigned: torchao's unsigned map.
+        lr: the learning rate (rounded to float32, as torchao keeps it).
+        beta1: torchao's ``betas[0]``.
+        beta2: torchao's ``betas[1]``.
+        eps: torchao's ``eps``.
+        weight_decay: decoupled (AdamW) or added to the gradient (Adam).
+        step: the 1-based count of this update.
+        decoupled_weight_decay: True for ``AdamW8bit``, False for ``Adam8bit``.
+        grad_scale: multiplies every gradient (global-norm clipping's coefficient).
+        param_copy: as in :func:`adamw_step_`.
+        found_inf: a one-element float32 tensor on the parameters' device; nonzero: no step.
+    """
+    _adam8bit_step(
+        _as_list(params),
+        _as_list(grads),
+        _as_list(exp_avg),
+        _as_list(exp_avg_sq),
+        _as_list(exp_avg_scale),
+        _as_list(exp_avg_sq_scale),
+        _as_list(param_copy),
+        qmap_signed,
+        qmap_unsigned,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        step=step,
+        decoupled_weight_decay=decoupled_weight_decay,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+    )
+
+
 # Fake implementations: every op mutates its arguments in place and returns nothing, so under
 # FakeTensor there is no output to describe.
 @torch.library.register_fake("leanddp::flatten_into")  # type: ignore[untyped-decorator]  # unannotated in torch
@@ -253,4 +328,9 @@ def _sgd_step_fake(
     param_copy: list[Tensor],
     **kwargs: Any,
 ) -> None:
+    return None
+
+
+@torch.library.register_fake("leanddp::adam8bit_step_")  # type: ignore[untyped-decorator]  # unannotated in torch
+def _adam8bit_step_fake(*args: Any, **kwargs: Any) -> None:
     return None

@@ -6,8 +6,8 @@ DEFAULT, which computes multiply-adds unfused as our baseline does on x86-64; AV
 with FMA). Adam(W) of float32, bfloat16 and float16 parameters must equal torch's every bit
 (tails included: torch's scalar loop fuses another product), and so must float32 SGD; and
 every output of every op (Adam with bf16/fp16 gradients and a parameter copy, SGD, flatten with
-a scale) must be equal across the variants that share FMA (AVX2 and AVX-512, and the baseline
-for flatten, which has no multiply-add).
+a scale, 8-bit Adam) must be equal across the variants that share FMA (AVX2 and AVX-512, and the
+baseline for flatten and 8-bit Adam, which have no multiply-add).
 """
 
 from __future__ import annotations
@@ -101,6 +101,26 @@ for dt in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
     flat = torch.empty(sum(sizes), dtype=dt)
     ops.flatten_into(ts, flat, scale=1.3)
     out["flat" + str(dt)] = flat
+# 8-bit Adam(W) (no multiply-add: every variant must give the same bits), on sorted maps of
+# this script's own (torchao is an optional dependency), and the quantizer's two paths
+qs = torch.cat([-torch.logspace(0, -7, 127), torch.zeros(1), torch.logspace(-7, 0, 128)])
+qu = torch.cat([torch.zeros(1), torch.logspace(-8, 0, 255)])
+sizes8 = [4096, 512 * 3, 300]  # two with 8-bit state (blocks of 256), one plain
+for dt in (torch.float32, torch.bfloat16):
+    p = [randn(n).to(dt) for n in sizes8]
+    m = [torch.zeros(n, dtype=torch.uint8 if n % 256 == 0 else dt) for n in sizes8]
+    v = [t.clone() for t in m]
+    sm = [torch.zeros(n // 256 if n % 256 == 0 else 0) for n in sizes8]
+    sv = [t.clone() for t in sm]
+    for step in (1, 2, 3):
+        g = [randn(n).to(dt) for n in sizes8]
+        ops.adam8bit_step_(p, g, m, v, sm, sv, qs, qu, lr=1e-2, beta1=0.9, beta2=0.99,
+                           eps=1e-8, weight_decay=0.1, step=step, grad_scale=0.9)
+    out["adam8 " + str(dt)] = [p, m, v, sm, sv]
+x = randn(100_000).clamp(-1, 1)
+quantize8 = leanddp._C._testing.quantize8
+out["adam8 quantize"] = [quantize8(x, qs, True), quantize8(x, qs, False),
+                        quantize8(x.abs(), qu, True)]
 torch.save(out, sys.argv[1])
 """
 
@@ -134,7 +154,7 @@ def test_isa_variants_equal_torch_and_each_other(tmp_path):
             ours, ref = out.pop(key)
             for a, b in zip(_leaves(ours), _leaves(ref), strict=True):
                 assert torch.equal(a, b), f"{isa}: {key} differs from torch's kernel"
-    fma_free = ("flat",)  # ops without a multiply-add: equal on every variant
+    fma_free = ("flat", "adam8")  # ops without a multiply-add: equal on every variant
     for isa, out in results.items():
         for other, other_out in results.items():
             same_fma = (isa == "baseline") == (other == "baseline")

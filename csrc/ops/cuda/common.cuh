@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace leanddp::ops::cuda {
@@ -118,6 +119,42 @@ inline size_t chunk_bound(at::TensorList tensors, int64_t chunk_elems) {
   for (const auto& t : tensors)
     total += static_cast<size_t>((t.numel() + chunk_elems - 1) / chunk_elems);
   return total;
+}
+
+// Calls launch(Tag<P>{}, Tag<G>{}, Tag<C>{}, has_copy) for the dtypes of an optimizer op's lists
+// (checks.h's rules): bf16/fp16 params take grads of their dtype and no copy (C is then unused);
+// float32 params take float32, bf16 or fp16 grads and an optional bf16/fp16 param_copy.
+template <typename Launch>
+void dispatch_optim_dtypes(at::TensorList params, at::TensorList grads, at::TensorList param_copy,
+                           const Launch& launch) {
+  switch (params[0].scalar_type()) {
+    case at::kBFloat16:
+      return launch(Tag<c10::BFloat16>{}, Tag<c10::BFloat16>{}, Tag<c10::BFloat16>{},
+                    std::false_type{});
+    case at::kHalf:
+      return launch(Tag<c10::Half>{}, Tag<c10::Half>{}, Tag<c10::BFloat16>{}, std::false_type{});
+    default:
+      break;
+  }
+  auto with_copy = [&](auto grad_tag) {
+    if (param_copy.empty()) {
+      launch(Tag<float>{}, grad_tag, Tag<c10::BFloat16>{}, std::false_type{});
+    } else if (param_copy[0].scalar_type() == at::kBFloat16) {
+      launch(Tag<float>{}, grad_tag, Tag<c10::BFloat16>{}, std::true_type{});
+    } else {
+      launch(Tag<float>{}, grad_tag, Tag<c10::Half>{}, std::true_type{});
+    }
+  };
+  switch (grads[0].scalar_type()) {
+    case at::kFloat:
+      return with_copy(Tag<float>{});
+    case at::kBFloat16:
+      return with_copy(Tag<c10::BFloat16>{});
+    case at::kHalf:
+      return with_copy(Tag<c10::Half>{});
+    default:
+      TORCH_CHECK(false, "unreachable: grad dtype was checked");
+  }
 }
 
 __device__ __forceinline__ bool aligned_to(const void* p, size_t bytes) {

@@ -166,38 +166,7 @@ void launch_optim(const Rule& rule, const DeviceScalars& device_scalars, at::Ten
         <<<static_cast<unsigned>(chunks.size()), kThreads, 0, stream>>>(meta_arg, rule, scalars);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  // bf16/fp16 params: grads of their dtype, no copy (checks.h).
-  switch (params[0].scalar_type()) {
-    case at::kBFloat16:
-      return launch(Tag<c10::BFloat16>{}, Tag<c10::BFloat16>{}, Tag<c10::BFloat16>{},
-                    std::false_type{});
-    case at::kHalf:
-      return launch(Tag<c10::Half>{}, Tag<c10::Half>{}, Tag<c10::BFloat16>{}, std::false_type{});
-    default:
-      break;
-  }
-  auto with_copy = [&](auto grad_tag) {
-    auto go = [&](auto copy_tag, auto has_copy) {
-      launch(Tag<float>{}, grad_tag, copy_tag, has_copy);
-    };
-    if (param_copy.empty()) {
-      go(Tag<c10::BFloat16>{}, std::false_type{});
-    } else if (param_copy[0].scalar_type() == at::kBFloat16) {
-      go(Tag<c10::BFloat16>{}, std::true_type{});
-    } else {
-      go(Tag<c10::Half>{}, std::true_type{});
-    }
-  };
-  switch (grads[0].scalar_type()) {
-    case at::kFloat:
-      return with_copy(Tag<float>{});
-    case at::kBFloat16:
-      return with_copy(Tag<c10::BFloat16>{});
-    case at::kHalf:
-      return with_copy(Tag<c10::Half>{});
-    default:
-      TORCH_CHECK(false, "unreachable: grad dtype was checked");
-  }
+  dispatch_optim_dtypes(params, grads, param_copy, launch);
 }
 
 void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
