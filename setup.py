@@ -191,11 +191,16 @@ def _extension():
     )
 
 
+# Optional features: `pip install leanddp[lowbit]` adds torchao, whose AdamW8bit / Adam8bit
+# leanddp steps with its own 8-bit kernels (the tests that compare them need it too).
+EXTRAS = {"lowbit": ["torchao>=0.18"]}
+
 if SDIST_ONLY:
-    setup(install_requires=[f"torch{SUPPORTED_TORCH}"])
+    setup(install_requires=[f"torch{SUPPORTED_TORCH}"], extras_require=EXTRAS)
 else:
     setup(
         ext_modules=[_extension()],
         cmdclass={"build_ext": BuildExtension},
         install_requires=[f"torch=={torch.__version__.split('+')[0]}"],
+        extras_require=EXTRAS,
     )

@@ -1,4 +1,4 @@
-"""Benchmark the host (CPU) optimizer step: leanddp's fused AdamW against torch's and DeepSpeed's.
+"""Benchmark the host (CPU) optimizer step: leanddp's AdamW, fp32 and 8-bit, against others'.
 
     python benchmarks/bench_host_step.py [--numel N] [--layout flat|tensors] [--rounds N]
                                          [--threads N] [--json PATH] [--variants]
@@ -15,6 +15,11 @@ blocks of qkv/proj/MLP matrices, biases and LayerNorm vectors of width --dim). I
                             fused step, downcast the parameters into the bf16 copy
   DeepSpeedCPUAdam          adamw_mode=True, when deepspeed imports and its cpu_adam op builds;
                             otherwise a row with the reason
+  leanddp adam8bit_step_    torchao's block-wise 8-bit AdamW (blocks of 256; tensors under 4096
+                            elements or not a multiple of 256 keep plain moments, as torchao's)
+  torchao AdamW8bit         torchao's own step on the CPU (torch.compile per shape: the warm-up
+                            compiles, minutes the first time); both rows need torchao
+                            (pip install leanddp[lowbit]), otherwise they say why
   copy_ (fp32)              dst.copy_(src) of --numel floats: the bandwidth yardstick
 Every implementation has its own tensors; they alternate round by round after two warm-up calls;
 the table gives the median and minimum over --rounds.
@@ -25,6 +30,8 @@ more than they are credited with. Bytes per parameter:
   fp32 AdamW:              read p, g, m, v (4 x 4 B) + write p, m, v (3 x 4 B)     = 28 B
   bf16 grads + bf16 copy:  read p, m, v (3 x 4 B) + g (2 B) + write p, m, v (3 x 4 B)
                            + copy (2 B)                                            = 28 B
+  8-bit AdamW:             read p, g (2 x 4 B) + codes (2 x 1 B) + write p (4 B) + codes
+                           (2 x 1 B), scales (8 B per 256 parameters) not counted  = 16 B
   copy_:                   read 4 B + write 4 B                                    =  8 B
 Writes also cost a read-for-ownership unless stored non-temporally, so "of copy" can exceed 100%.
 "vs anchor" is the anchor's median time over the row's (above 1 is faster).
@@ -106,6 +113,39 @@ def deepspeed_step(params: list[torch.Tensor]) -> tuple[Step | None, str]:
     return opt.step, ""
 
 
+def lowbit_steps(params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[Contender]:
+    """leanddp's 8-bit AdamW kernel and torchao's AdamW8bit, each over its own copy of
+    ``params`` with ``grads``; rows without a step (and why) when torchao is missing."""
+    names = ("leanddp adam8bit_step_", "torchao AdamW8bit")
+    try:
+        from torchao.optim import AdamW8bit
+        from torchao.optim.subclass_8bit import OptimState8bit
+    except Exception as exc:
+        why = f"torchao unavailable (pip install leanddp[lowbit]): {short(exc)}"
+        return [(name, 16, None, why) for name in names]
+    qs = OptimState8bit.zeros((256,), True, 256, "cpu").qmap
+    qu = OptimState8bit.zeros((256,), False, 256, "cpu").qmap
+    ours = [p.clone() for p in params]
+    state: list[list[torch.Tensor]] = [[], [], [], []]  # exp_avg, exp_avg_sq and their scales
+    for p in ours:
+        quantized = p.numel() >= 4096 and p.numel() % 256 == 0
+        for k in range(2):
+            state[k].append(torch.zeros_like(p, dtype=torch.uint8 if quantized else p.dtype))
+            state[k + 2].append(torch.zeros(p.numel() // 256 if quantized else 0))
+    counter = [0]
+
+    def run_ours() -> None:
+        counter[0] += 1
+        ops.adam8bit_step_(ours, grads, *state, qs, qu, step=counter[0], **HYPER)
+
+    theirs = [torch.nn.Parameter(p.clone()) for p in params]
+    for p, g in zip(theirs, grads, strict=True):
+        p.grad = g
+    opt = AdamW8bit(theirs, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    note = "compiled per shape (torch.compile)"
+    return [(names[0], 16, run_ours, ""), (names[1], 16, opt.step, note)]
+
+
 def contenders(shapes: list[tuple[int, ...]], deepspeed: bool) -> list[Contender]:
     """Every implementation with its own parameters, gradients and state."""
     numel = sum(math.prod(s) for s in shapes)
@@ -165,6 +205,7 @@ def contenders(shapes: list[tuple[int, ...]], deepspeed: bool) -> list[Contender
         rows.append((DEEPSPEED, 28, step, why))
     else:
         rows.append((DEEPSPEED, 28, None, "skipped (--no-deepspeed)"))
+    rows += lowbit_steps(tensors(base_p), tensors(base_g))
     src, dst = base_p.clone(), torch.empty_like(base_p)
     rows.append((COPY, 8, lambda: dst.copy_(src), ""))
     return rows
@@ -289,6 +330,12 @@ def summarize(rows: list[Contender], times: dict[str, list[float]], numel: int) 
             )
             row["of_copy"] = row["gbps"] / copy_gbps
         out.append(row)
+    ours, theirs = (med.get(k) for k in ("leanddp adam8bit_step_", "torchao AdamW8bit"))
+    if ours and theirs:  # the 8-bit kernel against torchao's step, in the same rounds
+        for row in out:
+            if row["impl"] == "leanddp adam8bit_step_":
+                row["x_torchao"] = theirs / ours
+                row["note"] = f"{theirs / ours:.1f}x torchao's step"
     return out
 
 
