@@ -363,12 +363,12 @@ void check_adam8_args(const Adam8Args& a, double lr, double beta1, double beta2,
         TORCH_CHECK_TYPE(sc.scalar_type() == at::kFloat, op, ": ", scale_names[k], "[", i,
                          "] has dtype ", sc.scalar_type(), "; expected Float");
         const int64_t blocks = sc.numel();
-        TORCH_CHECK_VALUE(sc.dim() == 1 && sc.is_contiguous() && blocks > 0 &&
-                              p.numel() % blocks == 0 && p.numel() / blocks <= kMaxQuantBlock,
-                          op, ": ", scale_names[k], "[", i, "] must be a contiguous 1-D tensor of ",
-                          "one scale per block of at most ", kMaxQuantBlock,
-                          " elements dividing params[", i, "] (", p.numel(),
-                          " elements), got shape ", sc.sizes());
+        TORCH_CHECK_VALUE(
+            sc.dim() == 1 && sc.is_contiguous() && blocks > 0 && blocks <= p.numel() &&
+                p.numel() % blocks == 0 && p.numel() / blocks <= kMaxQuantBlock,
+            op, ": ", scale_names[k], "[", i, "] must be a contiguous 1-D tensor of ",
+            "one scale per block of at most ", kMaxQuantBlock, " elements dividing params[", i,
+            "] (", p.numel(), " elements), got shape ", sc.sizes());
         TORCH_CHECK_VALUE(blocks == scales[0]->numel(), op, ": ", scale_names[k], "[", i, "] has ",
                           blocks, " blocks but exp_avg_scale[", i, "] has ", scales[0]->numel());
       } else {

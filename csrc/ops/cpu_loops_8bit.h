@@ -4,8 +4,8 @@
 // in scratch buffers (in L1): dequantize, update, the largest magnitudes (an integer maximum,
 // abs_bits), requantize. The update, the maxima and the quantization's divisions and bucket
 // keys are vectorized; the table look-ups are scalar loads (as fast here as AVX2/AVX-512
-// gathers, measured on AMD Zen 4): one per element to dequantize, and to quantize the two
-// look-ups of quant_table.h where its tables are exact, else torchao's binary search.
+// gathers, measured on AMD Zen 4): one per element to dequantize, and one to quantize
+// (quant_table.h) where its table is exact, else torchao's binary search.
 
 // dst[i] = qmap[codes[i]] * scale.
 LEANDDP_ISA_ATTR void dequant8(const uint8_t* __restrict codes, const float* __restrict qmap,
@@ -21,10 +21,9 @@ LEANDDP_ISA_ATTR void quant8(float* __restrict x, float scale, const float* __re
       codes[i] = static_cast<uint8_t>(quantize_code(x[i] / scale, qmap));
     return;
   }
-  const float* first = table->first;
-  const uint8_t* base = table->base;
+  const int32_t* entries = table->entry;
   constexpr int64_t kStep = 256;
-  int32_t keys[kStep];
+  int32_t keys[kStep], within[kStep], found[kStep];
   for (int64_t at = 0; at < n; at += kStep) {
     const int64_t len = n - at < kStep ? n - at : kStep;
     float* xs = x + at;
@@ -34,11 +33,12 @@ LEANDDP_ISA_ATTR void quant8(float* __restrict x, float scale, const float* __re
       std::memcpy(&u, &xn, sizeof(u));
       xs[i] = xn;
       keys[i] = QuantTable::bucket(u & 0x7fffffffu, u >> 31);
+      within[i] = QuantTable::within(u & 0x7fffffffu, u >> 31);
     }
-    for (int64_t i = 0; i < len; ++i) {  // two loads per element
-      const int b = base[keys[i]];
-      const float xn = xs[i];
-      codes[at + i] = xn != xn ? 0 : static_cast<uint8_t>(b + (xn >= first[b + 1] ? 1 : 0));
+    for (int64_t i = 0; i < len; ++i) found[i] = entries[keys[i]];  // one table read each
+    for (int64_t i = 0; i < len; ++i) {                             // vectorized
+      const int c = QuantTable::code(found[i], within[i]);
+      codes[at + i] = static_cast<uint8_t>(xs[i] != xs[i] ? 0 : c);
     }
   }
 }

@@ -37,11 +37,25 @@ void sgd_step_fallback(at::TensorList params, at::TensorList grads, at::TensorLi
   no_backend("leanddp::sgd_step_", params);
 }
 
+void adam8bit_step_fallback(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
+                            at::TensorList exp_avg_sq, at::TensorList exp_avg_scale,
+                            at::TensorList exp_avg_sq_scale, at::TensorList param_copy,
+                            const at::Tensor& qmap_signed, const at::Tensor& qmap_unsigned,
+                            double lr, double beta1, double beta2, double eps, double weight_decay,
+                            int64_t step, bool, std::optional<double> grad_scale,
+                            const std::optional<at::Tensor>& found_inf) {
+  check_adam8_args({params, grads, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_copy,
+                    qmap_signed, qmap_unsigned},
+                   lr, beta1, beta2, eps, weight_decay, step, grad_scale, found_inf);
+  no_backend("leanddp::adam8bit_step_", params);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(leanddp, CompositeExplicitAutograd, m) {
   m.impl("adam_step_", &adam_step_fallback);
   m.impl("sgd_step_", &sgd_step_fallback);
+  m.impl("adam8bit_step_", &adam8bit_step_fallback);
 }
 
 }  // namespace leanddp::ops

@@ -110,7 +110,7 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
     if (has_copy) store_low(copy_dtype, p, copy_at[t], first, len);
   };
   at::parallel_for(0, range.total(), grain, [&](int64_t first, int64_t last) {
-    auto scratch = std::make_unique<Scratch>();
+    const std::unique_ptr<Scratch> scratch(new Scratch);  // (default-initialized: not zeroed)
     range.for_each_piece(first, last, [&](int32_t t, int64_t begin, int64_t len) {
       for (int64_t u = begin; u < begin + len; ++u) step_unit(static_cast<size_t>(t), u, *scratch);
     });

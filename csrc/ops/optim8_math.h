@@ -36,7 +36,7 @@ struct Adam8Consts {
   float lr;
   float lr_wd;     // lr * weight_decay in float32 (AdamW)
   float l2;        // weight_decay (Adam)
-  float coef1;     // lerp coefficient of the first moment: w (base: start) or w - 1 (base: end)
+  float coef1;     // lerp coefficient of the first moment: w (base: start) or -(1 - w) (base: end)
   bool end_base1;  // |1 - beta1| >= 0.5: lerp's base is its end
   float coef2;     // the same for the second moment
   bool end_base2;
@@ -54,12 +54,13 @@ inline Adam8Consts make_adam8_consts(double lr, double beta1, double beta2, doub
   c.lr = static_cast<float>(lr);  // torchao keeps lr as a float32 tensor
   c.lr_wd = decoupled ? c.lr * static_cast<float>(weight_decay) : 0.0f;
   c.l2 = decoupled ? 0.0f : static_cast<float>(weight_decay);
-  // torch's lerp with a Python float weight w: coefficient w, or w - 1 (computed in double)
+  // torch's lerp with a Python float weight w (inductor's lowering): coefficient w, or
+  // -(1 - w), computed in double (-(1 - w) and w - 1 differ in the sign of a zero, at w = 1)
   const double w1 = 1.0 - beta1, w2 = 1.0 - beta2;
   c.end_base1 = std::abs(w1) >= 0.5;
-  c.coef1 = static_cast<float>(c.end_base1 ? w1 - 1.0 : w1);
+  c.coef1 = static_cast<float>(c.end_base1 ? -(1.0 - w1) : w1);
   c.end_base2 = std::abs(w2) >= 0.5;
-  c.coef2 = static_cast<float>(c.end_base2 ? w2 - 1.0 : w2);
+  c.coef2 = static_cast<float>(c.end_base2 ? -(1.0 - w2) : w2);
   const auto s = static_cast<float>(step);
   c.bc1 = 1.0f - std::pow(static_cast<float>(beta1), s);
   c.bc2_sqrt = std::sqrt(1.0f - std::pow(static_cast<float>(beta2), s));

@@ -33,20 +33,31 @@ std::unique_ptr<QuantTable> build(const float* q) {
   // first[k]: the least float in (-2, 2] with code >= k (code(-2) is 0 and code(2) is 255 for
   // any map within [-1, 1]; the search assumes the codes never decrease, checked below).
   const int64_t lo0 = ordered(-2.0f), hi0 = ordered(2.0f);
-  if (code(-2.0f) != 0 || code(2.0f) != kQmapSize - 1) return t;  // not exact
-  t->first[0] = -std::numeric_limits<float>::infinity();
+  // The codes never decrease with x exactly when the map is sorted (no NaN): the checks below
+  // prove the table right only then.
+  for (int k = 1; k < kQmapSize; ++k) {
+    if (!(q[k - 1] < q[k])) return t;  // not exact
+  }
+  if (code(-2.0f) != 0 || code(2.0f) != kQmapSize - 1) return t;
+  std::array<float, kQmapSize + 1> first{};
   for (int k = 1; k < kQmapSize; ++k) {
     int64_t lo = lo0, hi = hi0;  // code(lo) < k <= code(hi)
     while (hi - lo > 1) {
       const int64_t mid = lo + (hi - lo) / 2;
       (code(from_ordered(mid)) >= k ? hi : lo) = mid;
     }
-    t->first[k] = from_ordered(hi);
+    first[k] = from_ordered(hi);
   }
-  t->first[kQmapSize] = std::numeric_limits<float>::quiet_NaN();
-  // Each bucket: its least and greatest float; its code must be base or base + 1 throughout.
-  constexpr uint32_t kInfBits = 0x7f800000u;
   bool exact = true;
+  for (int k = 2; k < kQmapSize; ++k) exact = exact && first[k] > first[k - 1];
+  // What the table gives for x (not a NaN), as the kernels compute it.
+  const auto looked_up = [&](float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof(u));
+    const uint32_t abs = u & 0x7fffffffu, sign = u >> 31;
+    return QuantTable::code(t->entry[QuantTable::bucket(abs, sign)], QuantTable::within(abs, sign));
+  };
+  constexpr uint32_t kInfBits = 0x7f800000u;
   for (uint32_t sign = 0; sign < 2; ++sign) {
     for (int32_t j = 0; j < QuantTable::kKeys; ++j) {
       const int32_t key = QuantTable::kKeyLow + j;
@@ -60,13 +71,28 @@ std::unique_ptr<QuantTable> build(const float* q) {
       const float least = sign ? -hi_mag : lo_mag;
       const float greatest = sign ? -lo_mag : hi_mag;
       const int base = code(least);
-      const int top = code(greatest);
-      exact = exact && top >= base && top <= base + 1;
-      t->base[QuantTable::bucket(low, sign)] = static_cast<uint8_t>(base);
+      // the breakpoint to the next code, if it lies in this bucket (the first and last buckets
+      // span several exponents: none may lie there)
+      const bool inside =
+          base + 1 < kQmapSize && first[base + 1] > least && first[base + 1] <= greatest;
+      int32_t threshold = sign ? 1 : static_cast<int32_t>(QuantTable::kLowMask) + 1;  // never
+      if (inside) {
+        const bool spans = j == 0 || key == QuantTable::kKeyHigh;
+        exact = exact && !spans;
+        uint32_t u;
+        std::memcpy(&u, &first[base + 1], sizeof(u));
+        threshold = QuantTable::within(u & 0x7fffffffu, sign);
+      }
+      t->entry[QuantTable::bucket(low, sign)] =
+          base | static_cast<int32_t>(static_cast<uint32_t>(threshold) << 8);
+      // checked where the code can change: both ends, and both sides of the breakpoint
+      exact = exact && looked_up(least) == base && looked_up(greatest) == code(greatest);
+      if (inside) {
+        const float below = std::nextafter(first[base + 1], -2.0f);
+        exact = exact && looked_up(first[base + 1]) == base + 1 && looked_up(below) == code(below);
+      }
     }
   }
-  // The codes never decrease: each breakpoint is above the last.
-  for (int k = 2; k < kQmapSize; ++k) exact = exact && t->first[k] > t->first[k - 1];
   t->exact = exact;
   return t;
 }

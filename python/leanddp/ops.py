@@ -250,7 +250,9 @@ def adam8bit_step_(
     float32 scale per block of ``numel // scale.numel()`` elements, at most 4096) or plain (the
     parameter's dtype and layout, with empty scale tensors): torchao keeps the moments of
     parameters under 4096 elements or not a multiple of the block plain. The update and the
-    requantization follow torchao's ``single_param_adam`` (see ``csrc/ops/optim8_math.h``).
+    requantization follow torchao's ``single_param_adam`` (see ``csrc/ops/optim8_math.h``), with
+    its ``amsgrad`` and ``bf16_stochastic_round`` off (neither is implemented). Not capturable
+    in a CUDA graph.
 
     Args:
         params: updated in place (a flat tensor, or a list): float32 (``grads`` float32, bfloat16

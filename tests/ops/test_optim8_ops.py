@@ -31,6 +31,7 @@ class _Run:
 
     def __init__(self, device, dtype, cls, **hyper):
         self.device, self.dtype, self.hyper = device, dtype, hyper
+        self.lr = hyper.get("lr", 1e-3)
         self.ref = [torch.randn(s, device=device).to(dtype).requires_grad_(True) for s in SHAPES]
         self.params = [p.detach().clone() for p in self.ref]
         self.opt = cls(self.ref, **hyper)
@@ -75,7 +76,12 @@ class _Run:
     def check(self):
         """Parameters, codes and scales equal to torchao's (on a GPU: close, and 99.9% of codes)."""
         exact = self.device == "cpu"
-        tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-6)
+        # On a GPU a code one step apart (torchao's fused multiply-adds) moves m by up to 1.4% of
+        # its block's scale (the widest step of the map near 1), and the parameter by about
+        # lr * 1.4% in the next update: atol 3 * lr * 1.4% holds a few such flips (and a bf16
+        # parameter one bf16 ulp, rtol 2^-7, where a flip moves it across a rounding).
+        rtol = 0.0 if self.dtype == torch.float32 else 2**-7
+        tol = dict(rtol=0, atol=0) if exact else dict(rtol=rtol, atol=3 * 0.014 * self.lr)
         codes_equal = 1.0 if exact else CODES_EQUAL
         for i, (ours, ref) in enumerate(zip(self.params, self.ref, strict=True)):
             torch.testing.assert_close(ours, ref.detach(), **tol, msg=f"param {i}")
@@ -142,6 +148,12 @@ def _args(device, block=256):
     return p, g, m, v, sm, sv, qs, qu
 
 
+def _empty_8bit():
+    """params, grads, codes, codes, scales, scales of an empty parameter with 8-bit state."""
+    codes = torch.zeros(0, dtype=torch.uint8)
+    return torch.zeros(0), torch.zeros(0), codes, codes.clone(), torch.zeros(1), torch.zeros(1)
+
+
 KW = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=2)
 
 
@@ -167,6 +179,10 @@ def test_opcheck(device):
         (lambda a: a.__setitem__(6, a[6][:128]), r"qmap_signed must be a contiguous 1-D"),
         (lambda a: a.__setitem__(7, a[7].double()), r"qmap_unsigned has dtype Double"),
         (lambda a: a[3].__setitem__(1, a[0][1]), r"share memory"),
+        (  # an empty parameter with 8-bit state: no block to divide it into
+            lambda a: [lst.__setitem__(0, t) for lst, t in zip(a[:6], _empty_8bit(), strict=True)],
+            r"exp_avg_scale\[0\] must be a contiguous 1-D tensor of one scale per block",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_any_write(change, message):

@@ -119,6 +119,12 @@ void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
   check_adam8_args(args, lr, beta1, beta2, eps, weight_decay, step, grad_scale, found_inf);
   if (params.empty()) return;
   const c10::cuda::CUDAGuard guard(params[0].device());
+  // The step count and the learning rate are arguments of the launch: a captured call would
+  // replay this step's forever.
+  TORCH_CHECK(
+      c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
+      "leanddp::adam8bit_step_ cannot be captured in a CUDA graph: its step count and learning "
+      "rate are arguments of the launch, which a replay would repeat");
   std::vector<Adam8Tensor> tensors(params.size());
   std::vector<Chunk> chunks;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -141,8 +147,6 @@ void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
       chunks.push_back({static_cast<int32_t>(i), static_cast<int32_t>(k)});
     }
   }
-  refuse_graph_capture("leanddp::adam8bit_step_",
-                       meta_bytes<Adam8Tensor>(tensors.size()) + meta_bytes<Chunk>(chunks.size()));
   if (chunks.empty()) return;
   LaunchMeta meta;
   meta.add(tensors);  // array 0
