@@ -13,9 +13,14 @@ Cases (each anchor measured in the same run, contenders interleaved round by rou
            strided path) vs torch._foreach_copy_ into views of it.
   adamw    one AdamW step over the GPT-2 list: adamw_step_ over the list and over flat buffers
            (the bucket layout) vs torch.optim.AdamW(fused=True) and (foreach=True).
+  adamw8bit one step of torchao's 8-bit AdamW over the GPT-2 list: adam8bit_step_ vs torchao's
+           AdamW8bit (torch.compile'd; both rows need torchao, else the case is left out), with
+           torch.optim.AdamW(fused=True) on fp32 state as the anchor.
   copy     dst.copy_(src) of the GPT-2 size: the bandwidth every other number is compared with.
-Bytes counted: flatten/unflatten/copy read + write every element; AdamW 28 B per fp32 parameter
-(reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq).
+Bytes counted (GB/s; every row of a case with its count): flatten/unflatten/copy read + write
+every element; AdamW 28 B per fp32 parameter (reads param, grad, exp_avg, exp_avg_sq; writes
+param, exp_avg, exp_avg_sq); 8-bit AdamW 16 B (reads param, grad and two 1-byte codes, writes
+param and the codes; scales not counted).
 Prints progress, then a markdown table; writes bench_ops.json and bench_ops_<device>.png into
 --out.
 """
@@ -105,7 +110,8 @@ class Timer:
 
 
 def run_case(timer: Timer, contenders: dict[str, Callable], rounds: int) -> dict[str, float]:
-    """Median seconds per contender; contenders alternate within every round."""
+    """Median seconds per contender; contenders alternate within every round (the warm-up
+    calls compile what compiles: torchao's step)."""
     for fn in contenders.values():  # warm-up: allocations, first-touch, autotuning
         fn()
         fn()
@@ -236,6 +242,53 @@ def adamw_case(params: list[torch.Tensor]) -> Case:
     )
 
 
+def adamw8bit_case(params: list[torch.Tensor]) -> Case | None:
+    """8-bit AdamW: leanddp's kernel and torchao's step, each with its own parameters and state;
+    None without torchao."""
+    try:
+        from torchao.optim import AdamW8bit
+        from torchao.optim.subclass_8bit import OptimState8bit
+    except ImportError:
+        log("    adamw8bit: torchao is not installed (pip install leanddp[lowbit]): left out")
+        return None
+    device = params[0].device
+    grads = [p.grad for p in params]
+    ours = [p.detach().clone() for p in params]
+    state: list[list[torch.Tensor]] = [[], [], [], []]  # exp_avg, exp_avg_sq, their scales
+    for p in ours:  # torchao's rule: 8-bit from 4096 elements, in blocks of 256
+        quantized = p.numel() >= 4096 and p.numel() % 256 == 0
+        for k in range(2):
+            state[k].append(torch.zeros_like(p, dtype=torch.uint8 if quantized else p.dtype))
+            state[k + 2].append(torch.zeros(p.numel() // 256 if quantized else 0, device=device))
+    qs = OptimState8bit.zeros((256,), True, 256, device).qmap
+    qu = OptimState8bit.zeros((256,), False, 256, device).qmap
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, g in zip(theirs, grads, strict=True):
+        p.grad = g
+    torchao_opt = AdamW8bit(theirs, **ADAMW)
+    fused = torch.optim.AdamW(params, fused=True, **ADAMW)
+    beta1, beta2 = ADAMW["betas"]
+    hyper = dict(lr=ADAMW["lr"], beta1=beta1, beta2=beta2, eps=ADAMW["eps"])
+    step = [0]
+
+    def run_ours() -> None:
+        step[0] += 1
+        ops.adam8bit_step_(
+            ours, grads, *state, qs, qu, step=step[0], weight_decay=ADAMW["weight_decay"], **hyper
+        )
+
+    return (
+        "adamw8bit gpt2",
+        "torch AdamW(fused=True)",
+        16 * sum(p.numel() for p in params),
+        {
+            "leanddp adam8bit_step_ (list)": run_ours,
+            "torchao AdamW8bit": torchao_opt.step,
+            "torch AdamW(fused=True)": fused.step,
+        },
+    )
+
+
 def bench_device(device: str, rounds: int) -> list[dict]:
     """Every case on one device; rows carry GB/s, ratio to the anchor and share of copy GB/s."""
     log(f"[{device}] allocating GPT-2-small parameters and gradients")
@@ -252,10 +305,14 @@ def bench_device(device: str, rounds: int) -> list[dict]:
         lambda: views_case(device),
         lambda: permuted_case(device),
         lambda: adamw_case(params),
+        lambda: adamw8bit_case(params),
     ]
     timer, rows = Timer(device), []
     for i, build in enumerate(builders, 1):
-        name, anchor, nbytes, contenders = build()
+        case = build()
+        if case is None:
+            continue
+        name, anchor, nbytes, contenders = case
         log(
             f"[{device} {i}/{len(builders)}] {name}: {len(contenders)} implementations, "
             f"{rounds} rounds"
