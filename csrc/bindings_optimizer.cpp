@@ -32,7 +32,8 @@ class PyStepper final : public BucketStepper {
 void bind_values(py::module_& m) {
   py::enum_<OptimKind>(m, "OptimKind", "The optimizers the fused kernels step (fused_optimizer.h).")
       .value("sgd", OptimKind::kSgd)
-      .value("adam", OptimKind::kAdam);
+      .value("adam", OptimKind::kAdam)
+      .value("adam8bit", OptimKind::kAdam8bit);
   py::class_<OptimHyper>(m, "OptimHyper",
                          "One parameter group's hyper-parameters for the fused kernels.")
       .def(py::init([](double lr, std::optional<at::Tensor> lr_tensor, double beta1, double beta2,
@@ -85,7 +86,19 @@ void bind_values(py::module_& m) {
       .def_readwrite("offload_to_cpu", &InBackwardOptions::offload_to_cpu)
       .def_readwrite("offload_threads", &InBackwardOptions::offload_threads)
       .def_readwrite("sharded", &InBackwardOptions::sharded)
-      .def_readwrite("max_grad_norm", &InBackwardOptions::max_grad_norm);
+      .def_readwrite("max_grad_norm", &InBackwardOptions::max_grad_norm)
+      .def_property(
+          "block_size", [](const InBackwardOptions& o) { return o.quant.block; },
+          [](InBackwardOptions& o, int64_t block) { o.quant.block = block; })
+      .def_property(
+          "qmaps",
+          [](const InBackwardOptions& o) {
+            return std::make_pair(o.quant.qmap_signed, o.quant.qmap_unsigned);
+          },
+          [](InBackwardOptions& o, std::pair<at::Tensor, at::Tensor> maps) {
+            o.quant.qmap_signed = std::move(maps.first);
+            o.quant.qmap_unsigned = std::move(maps.second);
+          });
   py::class_<OffloadStats>(m, "OffloadStats")
       .def_readonly("iterations", &OffloadStats::iterations)
       .def_readonly("buckets", &OffloadStats::buckets)
@@ -109,14 +122,17 @@ void bind_values(py::module_& m) {
       .def_readonly("counted", &StateSpec::counted)
       .def_readonly("buffers", &StateSpec::buffers)
       .def_readonly("master", &StateSpec::master)
+      .def_readonly("quantized", &StateSpec::quantized)
+      .def_readonly("block", &StateSpec::block)
       .def_readonly("dtype", &StateSpec::dtype)
       .def_readonly("device", &StateSpec::device)
       .def_property_readonly("keys", &StateSpec::keys);
   m.def("state_spec", &state_spec, py::arg("kind"), py::arg("param"), py::arg("on_host"),
-        py::arg("momentum"),
+        py::arg("momentum"), py::arg("block") = 0,
         "The fused optimizer's rule for `param` stepped by `kind` on the host (offload_to_cpu) "
-        "or its device, `momentum` its group's momentum is nonzero: whether the kernels step it, "
-        "and its state's keys, dtype and device (csrc/fused_optimizer.h).");
+        "or its device, `momentum` its group's momentum is nonzero, `block` the 8-bit kind's "
+        "block size: whether the kernels step it, and its state's keys, dtype and device "
+        "(csrc/fused_optimizer.h).");
 }
 
 }  // namespace

@@ -53,7 +53,7 @@ const std::vector<std::string>& buffer_names(OptimKind kind, bool momentum) {
   static const std::vector<std::string> adam{"exp_avg", "exp_avg_sq"};
   static const std::vector<std::string> sgd{"momentum_buffer"};
   static const std::vector<std::string> none;
-  if (kind == OptimKind::kAdam) return adam;
+  if (kind != OptimKind::kSgd) return adam;
   return momentum ? sgd : none;
 }
 
@@ -67,25 +67,35 @@ std::vector<std::string> StateSpec::keys() const {
   return out;
 }
 
-StateSpec state_spec(OptimKind kind, const at::Tensor& param, bool on_host, bool momentum) {
+StateSpec state_spec(OptimKind kind, const at::Tensor& param, bool on_host, bool momentum,
+                     int64_t block) {
   StateSpec spec;
   const auto dtype = param.scalar_type();
+  // The 8-bit kernel reads a parameter's codes and blocks in its logical order, which is its
+  // memory order only when it is contiguous (torchao's blocks are of the flattened tensor).
+  const bool contiguous = on_host || kind == OptimKind::kAdam8bit;
   if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) {
     spec.unfit = "dtype";
     spec.needs = "float32, bfloat16 and float16";
-  } else if (on_host ? !param.is_contiguous() : !param.is_non_overlapping_and_dense()) {
+  } else if (contiguous ? !param.is_contiguous() : !param.is_non_overlapping_and_dense()) {
     // The device kernels step the parameter, its bucket view and its state (state_view) with
     // its strides, element by element in memory order; the host copies through flat buffers.
     spec.unfit = "layout";
-    spec.needs = on_host ? "contiguous" : "dense";
+    spec.needs = contiguous ? "contiguous" : "dense";
   }
   spec.stepped = spec.unfit.empty();
   spec.dtype = on_host ? at::kFloat : dtype;
   spec.device = on_host ? c10::Device(c10::kCPU) : param.device();
   if (!spec.stepped) return spec;
-  spec.counted = kind == OptimKind::kAdam;
+  spec.counted = kind != OptimKind::kSgd;
   spec.buffers = buffer_names(kind, momentum);
   spec.master = on_host && dtype != at::kFloat;
+  if (kind == OptimKind::kAdam8bit) {
+    TORCH_CHECK(block > 0, "state_spec: the 8-bit kind needs its block size, got ", block);
+    spec.block = block;
+    spec.quantized = param.numel() >= kMinQuantized8 && param.numel() % block == 0;
+    if (spec.quantized) spec.dtype = at::kByte;
+  }
   return spec;
 }
 
@@ -97,7 +107,7 @@ double clip_coefficient(double total_norm, double max_norm) {
 
 FusedOptimizer::FusedOptimizer(OptimKind kind, std::vector<at::Tensor> params,
                                std::vector<int64_t> group_of, std::vector<OptimHyper> groups,
-                               c10::Device step_device, bool on_host)
+                               c10::Device step_device, bool on_host, Quant8 quant)
     : kind_(kind),
       params_(std::move(params)),
       group_of_(std::move(group_of)),
@@ -112,8 +122,14 @@ FusedOptimizer::FusedOptimizer(OptimKind kind, std::vector<at::Tensor> params,
   // Its dtype is chosen per bucket (state_dtype).
   state_options_ = at::TensorOptions().device(on_host ? c10::Device(at::kCPU) : device);
   on_host_ = on_host;
+  quant_ = std::move(quant);
+  if (kind_ == OptimKind::kAdam8bit) {
+    TORCH_CHECK(quant_.block > 0 && quant_.qmap_signed.defined() && quant_.qmap_unsigned.defined(),
+                "FusedOptimizer: the 8-bit kind needs a block size and both maps");
+  }
   for (const at::Tensor& param : params_) {
-    stepped_.push_back(state_spec(kind_, param, on_host_, /*momentum=*/false).stepped);
+    stepped_.push_back(
+        state_spec(kind_, param, on_host_, /*momentum=*/false, quant_.block).stepped);
   }
   set_groups(std::move(groups));
 }
@@ -131,6 +147,7 @@ void FusedOptimizer::check_groups(const std::vector<OptimHyper>& groups) const {
 }
 
 size_t FusedOptimizer::num_buffers(int64_t group) const {
+  if (kind_ == OptimKind::kAdam8bit) return kBuffers8;
   return buffer_names(kind_, groups_[static_cast<size_t>(group)].momentum != 0.0).size();
 }
 
@@ -140,13 +157,15 @@ at::ScalarType FusedOptimizer::state_dtype(const Bucket& bucket) const {
   // A bucket holds parameters of one dtype.
   if (bucket.params.empty()) return at::kFloat;
   const at::Tensor& param = params_[static_cast<size_t>(bucket.params[0])];
-  return state_spec(kind_, param, on_host_, /*momentum=*/false).dtype;
+  // (kAdam8bit: of the plain moments; the codes and scales have their own)
+  return state_spec(OptimKind::kAdam, param, on_host_, /*momentum=*/false).dtype;
 }
 
 void FusedOptimizer::ensure_state(size_t index, const Bucket& bucket, size_t buffers) {
   if (flats_.size() <= index) flats_.resize(index + 1);
   auto& flats = flats_[index];
   if (flats.size() >= buffers) return;
+  if (kind_ == OptimKind::kAdam8bit) return ensure_state8(index, bucket);
   const auto options = state_options_.dtype(state_dtype(bucket));
   const int64_t numel = sharded() ? shards_.at(index).shard_numel : bucket.numel;
   while (flats.size() < buffers) flats.push_back(at::zeros({numel}, options));
@@ -169,6 +188,7 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
     buffers = std::max(buffers, num_buffers(group_of_[static_cast<size_t>(bucket.params[s])]));
   }
   if (!any) return;
+  if (kind_ == OptimKind::kAdam8bit) return step8(index, bucket, mask, targets);
   TORCH_CHECK(!sharded() || !targets.found_inf.defined(),
               "FusedOptimizer: a sharded step takes no found_inf");
   ensure_state(index, bucket, buffers);
@@ -272,7 +292,7 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
     // and autograd raises if a node that has not run yet still needs it.
     if (targets.params[s].defined()) torch::autograd::impl::bump_version(targets.params[s]);
     if (steps_[p]++ == 0) ++generation_;  // a parameter's state appears
-    if (kind_ != OptimKind::kAdam || device_steps(p)) continue;
+    if (!counted() || device_steps(p)) continue;
     if (step_tensors_[p].defined()) {
       counters.push_back(step_tensors_[p]);
     } else {
@@ -287,7 +307,7 @@ void FusedOptimizer::unstep(size_t p) {
               " has no step to take back");
   if (--steps_[p] == 0) ++generation_;  // its state is gone from state() again
   // Counts kept apart from the parameters were advanced whatever found_inf said (step()).
-  if (kind_ == OptimKind::kAdam && step_tensors_[p].defined() && !counts_beside(p)) {
+  if (counted() && step_tensors_[p].defined() && !counts_beside(p)) {
     step_tensors_[p].sub_(1);
   }
 }
@@ -311,6 +331,7 @@ void FusedOptimizer::relayout(const std::vector<Bucket>& old_buckets,
                               const std::vector<std::vector<at::Tensor>>& old_full) {
   TORCH_CHECK(!sharded() || old_full.size() == old_buckets.size(),
               "FusedOptimizer: a sharded relayout needs the old state gathered whole");
+  if (kind_ == OptimKind::kAdam8bit) return relayout8(old_buckets, new_buckets);
   std::vector<std::pair<size_t, size_t>> old_at(params_.size(), {SIZE_MAX, 0});
   for (size_t b = 0; b < old_buckets.size(); ++b) {
     for (size_t s = 0; s < old_buckets[b].params.size(); ++s) {
@@ -343,6 +364,8 @@ void FusedOptimizer::relayout(const std::vector<Bucket>& old_buckets,
 }
 
 const std::vector<at::Tensor>& FusedOptimizer::state_buffers(size_t index, const Bucket& bucket) {
+  TORCH_CHECK(kind_ != OptimKind::kAdam8bit,
+              "FusedOptimizer: the 8-bit state is not sharded (shard_optimizer_state)");
   size_t buffers = 0;
   for (int64_t p : bucket.params) {
     buffers = std::max(buffers, num_buffers(group_of_[static_cast<size_t>(p)]));
@@ -355,6 +378,7 @@ std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state(size_t p, 
                                                                       const Bucket& bucket,
                                                                       size_t slot) const {
   if (sharded() || index >= flats_.size()) return {};
+  if (kind_ == OptimKind::kAdam8bit) return state8(p, index, bucket, slot);
   return state_from(p, flats_[index], bucket.offsets[slot]);
 }
 
@@ -367,7 +391,7 @@ void FusedOptimizer::set_steps(size_t p, int64_t step) {
   ++generation_;
   steps_[p] = step;
   step_tensors_[p] = at::Tensor();
-  if (kind_ == OptimKind::kAdam && step > 0) {
+  if (counted() && step > 0) {
     step_tensors_[p] = at::scalar_tensor(static_cast<double>(step),
                                          at::TensorOptions(at::kFloat).device(step_device_));
   }
@@ -401,9 +425,17 @@ void FusedOptimizer::load_state(size_t p, size_t index, const Bucket& bucket, si
     }
     return;
   }
+  ensure_state(index, bucket, nbuf);
+  if (kind_ == OptimKind::kAdam8bit) {
+    // codes and scales (quantized) or the two moments, in pieces8()'s order
+    std::vector<at::Tensor> pieces = pieces8(flats_[index], bucket, slot);
+    TORCH_CHECK(values.size() == pieces.size(), "FusedOptimizer: expected ", pieces.size(),
+                " 8-bit state tensors, got ", values.size());
+    for (size_t k = 0; k < pieces.size(); ++k) pieces[k].copy_(values[k].reshape({-1}));
+    return;
+  }
   TORCH_CHECK(values.size() == nbuf, "FusedOptimizer: expected ", nbuf, " state tensors, got ",
               values.size());
-  ensure_state(index, bucket, nbuf);
   for (size_t k = 0; k < nbuf; ++k) {
     // The value in the parameter's memory order, as the state holds it.
     copy_in(index, bucket, slot, k, in_memory_order_of(values[k], params_[p]).reshape({-1}));

@@ -36,7 +36,21 @@
 
 namespace leanddp {
 
-enum class OptimKind { kSgd, kAdam };
+// kAdam8bit: torchao's AdamW8bit / Adam8bit (block-wise 8-bit moments, adam8bit_step_).
+enum class OptimKind { kSgd, kAdam, kAdam8bit };
+
+// kAdam8bit: torchao quantizes the moments of parameters of at least this many elements (and a
+// multiple of the block); a bucket keeps this many state buffers (Layout8).
+constexpr int64_t kMinQuantized8 = 4096;
+constexpr size_t kBuffers8 = 6;
+
+// torchao's 8-bit state settings (kAdam8bit): the optimizer's block size and its two maps (256
+// float32 entries each, on the parameters' device), shared by every parameter's state.
+struct Quant8 {
+  int64_t block = 0;
+  at::Tensor qmap_signed;
+  at::Tensor qmap_unsigned;
+};
 
 // The one rule for one parameter's fused state: whether the kernels step it and, if they do,
 // what state they keep for it. FusedOptimizer follows it (can_step, buffer_keys, state_dtype)
@@ -59,6 +73,11 @@ struct StateSpec {
   std::vector<std::string> buffers;
   // offload_to_cpu with a bfloat16/float16 parameter: the float32 `master_weight` on the host.
   bool master = false;
+  // kAdam8bit: whether the moments are 8-bit codes (uint8, one per element) with one float32
+  // scale per `block` elements, torchao's rule: at least 4096 elements and a multiple of the
+  // block; else they are plain tensors of `dtype`, as torchao keeps small parameters' moments.
+  bool quantized = false;
+  int64_t block = 0;
   // Where the buffers (and the master weight) live: float32 on the host with offload_to_cpu,
   // else the parameter's dtype on its device (as torch's fused optimizers keep it).
   at::ScalarType dtype = at::kFloat;
@@ -69,8 +88,9 @@ struct StateSpec {
 };
 
 // The spec of `param` stepped by `kind`, on the host (`on_host`) or its device; `momentum`: its
-// group's momentum is nonzero (SGD keeps a buffer then).
-StateSpec state_spec(OptimKind kind, const at::Tensor& param, bool on_host, bool momentum);
+// group's momentum is nonzero (SGD keeps a buffer then); `block`: kAdam8bit's block size.
+StateSpec state_spec(OptimKind kind, const at::Tensor& param, bool on_host, bool momentum,
+                     int64_t block = 0);
 
 // The live hyper-parameters of one parameter group (torch's param_groups[i]).
 struct OptimHyper {
@@ -120,9 +140,10 @@ class FusedOptimizer {
   // `params`: the Reducer's parameters; `group_of[p]`: the parameter group of parameter p.
   // `step_device`: where Adam's per-parameter `step` tensors live (torch keeps them on the
   // parameter's device for fused or capturable Adam, on the CPU otherwise). `on_host`: the state
-  // lives in host memory (offload_to_cpu).
+  // lives in host memory (offload_to_cpu). `quant`: kAdam8bit's settings.
   FusedOptimizer(OptimKind kind, std::vector<at::Tensor> params, std::vector<int64_t> group_of,
-                 std::vector<OptimHyper> groups, c10::Device step_device, bool on_host = false);
+                 std::vector<OptimHyper> groups, c10::Device step_device, bool on_host = false,
+                 Quant8 quant = {});
 
   // Replaces the hyper-parameters (one per group), read by the next steps.
   void set_groups(std::vector<OptimHyper> groups);
@@ -161,11 +182,13 @@ class FusedOptimizer {
                                                              int64_t offset) const;
 
   // torch's state entries of parameter p (slot `slot` of bucket `index`), in torch's key order;
-  // empty before its first step.
+  // empty before its first step. kAdam8bit, a quantized parameter: `exp_avg` and `exp_avg_sq`
+  // are its codes (uint8, shaped like it), followed by `exp_avg.scale` and `exp_avg_sq.scale`.
   std::vector<std::pair<std::string, at::Tensor>> state(size_t p, size_t index,
                                                         const Bucket& bucket, size_t slot) const;
   // Sets parameter p's state from a checkpoint: `step` updates taken (0: no state) and the
-  // values of its state tensors in state()'s order (the step tensor excluded).
+  // values of its state tensors in state()'s order (the step tensor excluded; kAdam8bit: codes
+  // and scales of a quantized parameter, as state() gives them).
   void load_state(size_t p, size_t index, const Bucket& bucket, size_t slot, int64_t step,
                   const std::vector<at::Tensor>& values);
   // torch's names of parameter p's state buffers, in buffer order (StateSpec::buffers, with its
@@ -181,6 +204,26 @@ class FusedOptimizer {
 
  private:
   size_t num_buffers(int64_t group) const;  // state buffers a parameter of this group needs
+  bool counted() const { return kind_ != OptimKind::kSgd; }  // keeps torch's `step` tensors
+  // kAdam8bit (fused_optimizer_8bit.cpp). A bucket's state is six flat buffers: codes of both
+  // moments of its quantized members (uint8), their scales (float32), plain moments of the
+  // others (the state dtype), each packed in slot order (Layout8).
+  struct Layout8 {
+    std::vector<char> quantized;    // per slot
+    std::vector<int64_t> at;        // per slot: offset in the codes, or in the plain buffers
+    std::vector<int64_t> scale_at;  // per slot: offset in the scales (quantized)
+    int64_t codes = 0, scales = 0, plain = 0;  // the buffers' lengths
+  };
+  Layout8 layout8(const Bucket& bucket) const;
+  void ensure_state8(size_t index, const Bucket& bucket);
+  // Slot `slot`'s state as 1-D tensors: codes, codes, scale, scale (quantized), else moments.
+  std::vector<at::Tensor> pieces8(const std::vector<at::Tensor>& flats, const Bucket& bucket,
+                                  size_t slot) const;
+  void step8(size_t index, const Bucket& bucket, const std::vector<char>& mask,
+             const StepTargets& targets);
+  std::vector<std::pair<std::string, at::Tensor>> state8(size_t p, size_t index,
+                                                         const Bucket& bucket, size_t slot) const;
+  void relayout8(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);
   void ensure_state(size_t index, const Bucket& bucket, size_t buffers);
   at::Tensor state_view(size_t index, const Bucket& bucket, size_t slot, size_t k) const;
   // Writes `values`, slot `slot`'s state of kind k as 1-D in the parameter's memory order, into
@@ -196,6 +239,7 @@ class FusedOptimizer {
   at::TensorOptions state_options_;  // on the parameters' device or the host (dtype: state_dtype)
   at::ScalarType state_dtype(const Bucket& bucket) const;
   bool on_host_ = false;
+  Quant8 quant_;                                // kAdam8bit
   std::vector<std::vector<at::Tensor>> flats_;  // per bucket: its state buffers (may be empty)
   std::vector<ShardLayout> shards_;             // per bucket, sharded (else empty)
   std::vector<int64_t> steps_;                  // per parameter: updates taken

@@ -49,11 +49,15 @@ InBackwardOptimizer::InBackwardOptimizer(std::vector<at::Tensor> params,
   TORCH_CHECK(!options_.offload_to_cpu || options_.kind,
               "leanddp.DistributedDataParallel: offload_to_cpu steps every bucket with the fused "
               "optimizer");
+  TORCH_CHECK(
+      options_.kind != OptimKind::kAdam8bit || (!options_.sharded && !options_.offload_to_cpu),
+      "leanddp.DistributedDataParallel: the 8-bit optimizer state is stepped on the "
+      "device only: not with shard_optimizer_state or offload_to_cpu");
   std::unique_ptr<FusedOptimizer> fused;
   if (options_.kind) {
     fused = std::make_unique<FusedOptimizer>(*options_.kind, params_, options_.group_of,
                                              options_.groups, options_.step_device,
-                                             /*on_host=*/options_.offload_to_cpu);
+                                             /*on_host=*/options_.offload_to_cpu, options_.quant);
   }
   const c10::Device device = params_.front().device();
   if (options_.offload_to_cpu) {

@@ -55,6 +55,7 @@ class OptimKind:  # a pybind11 enum (not an enum.Enum)
     __members__: ClassVar[dict[str, OptimKind]]
     sgd: ClassVar[OptimKind]
     adam: ClassVar[OptimKind]
+    adam8bit: ClassVar[OptimKind]  # torchao's AdamW8bit / Adam8bit
     def __init__(self, value: int) -> None: ...
     def __eq__(self, other: object) -> bool: ...
     def __hash__(self) -> int: ...
@@ -113,6 +114,8 @@ class InBackwardOptions:
     offload_threads: int
     sharded: bool
     max_grad_norm: float | None  # host steps' clipping (offload_to_cpu)
+    block_size: int  # adam8bit: torchao's block size
+    qmaps: tuple[Tensor, Tensor]  # adam8bit: torchao's signed and unsigned maps
     def __init__(self) -> None: ...
 
 class OffloadStats:
@@ -204,13 +207,19 @@ class StateSpec:  # read-only, made by state_spec() only
     @property
     def master(self) -> bool: ...
     @property
+    def quantized(self) -> bool: ...  # adam8bit: 8-bit codes and scales (else plain moments)
+    @property
+    def block(self) -> int: ...  # adam8bit: the block size
+    @property
     def dtype(self) -> torch.dtype: ...
     @property
     def device(self) -> torch.device: ...
     @property
     def keys(self) -> list[str]: ...
 
-def state_spec(kind: OptimKind, param: Tensor, on_host: bool, momentum: bool) -> StateSpec: ...
+def state_spec(
+    kind: OptimKind, param: Tensor, on_host: bool, momentum: bool, block: int = 0
+) -> StateSpec: ...
 
 # ------------------------------------------------------------------------------------------------
 # The Reducer's settings (csrc/modes.h NanCheck, csrc/reducer.h ReducerOptions)

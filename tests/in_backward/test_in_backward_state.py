@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import copy
 import functools
-import io
 
 import pytest
 import torch
 import torch.distributed as dist
 from ddp_models import Net
 from dist_harness import run_ranks
-from in_backward_models import OPTIMIZERS, Deep, completed_allreduce_hook
+from in_backward_models import OPTIMIZERS, Deep, completed_allreduce_hook, round_trip
 from torch import nn
 
 import leanddp
@@ -36,13 +35,6 @@ def _ours(model: nn.Module, factory, offload: bool = False) -> leanddp.Distribut
         bucket_cap_mb=0.0005,
         offload_to_cpu=offload,
     )
-
-
-def _round_trip(buffer: dict) -> dict:
-    f = io.BytesIO()
-    torch.save(buffer, f)
-    f.seek(0)
-    return torch.load(f, weights_only=True)
 
 
 def _same_format(ours: dict, theirs: dict) -> None:
@@ -71,10 +63,10 @@ def _checkpoints(rank: int, world_size: int, name: str, offload: bool) -> None:
         ref_opt.zero_grad()
         torch.manual_seed(rank * 100 + _)
         _loss(ours)
-    saved_ours = _round_trip(
+    saved_ours = round_trip(
         {"model": ours.module.state_dict(), "optim": ours.optimizer.state_dict()}
     )
-    saved_ref = _round_trip({"model": ref.module.state_dict(), "optim": ref_opt.state_dict()})
+    saved_ref = round_trip({"model": ref.module.state_dict(), "optim": ref_opt.state_dict()})
     _same_format(saved_ours["optim"], saved_ref["optim"])
 
     # ours -> plain torch, and plain torch -> ours (loaded before its first step).

@@ -66,6 +66,52 @@ def test_the_kernels_step_what_the_rule_says(device, name, kind, momentum):
     assert spec.keys == (["step"] if kind == "adam" else []) + list(spec.buffers)
 
 
+#: Sizes around torchao's 8-bit rule: at least 4096 elements and a multiple of the block (256).
+SIZES_8BIT = {
+    "4096": lambda: torch.randn(64, 64),
+    "17 blocks": lambda: torch.randn(17, 256),
+    "4100": lambda: torch.randn(4100),
+    "4096 bfloat16": lambda: torch.randn(4096).bfloat16(),
+    "8192 transposed": lambda: torch.randn(128, 64).t(),
+}
+
+
+@pytest.mark.parametrize("name", [*VARIETIES, *SIZES_8BIT])
+def test_the_8bit_kernel_steps_what_the_rule_says(device, name):
+    """The 8-bit kind's rule (torchao's AdamW8bit): 8-bit codes exactly for contiguous
+    parameters of at least 4096 elements and a multiple of the block, plain moments in the
+    parameter's dtype for the other contiguous ones; the 8-bit kernel steps each with that
+    state, and refuses the dtypes the rule refuses."""
+    from leanddp.optim import _lowbit
+
+    pytest.importorskip("torchao.optim")
+    param = {**VARIETIES, **SIZES_8BIT}[name]().to(device)
+    spec = _C.state_spec(_C.OptimKind.adam8bit, param, on_host=False, momentum=False, block=256)
+    fits = param.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert spec.stepped == (fits and param.is_contiguous()), name
+    big = param.numel() >= 4096 and param.numel() % 256 == 0
+    assert spec.quantized == (spec.stepped and big), name
+    assert spec.dtype == (torch.uint8 if spec.quantized else param.dtype), name
+    if spec.stepped:
+        assert spec.keys == ["step", "exp_avg", "exp_avg_sq"] and spec.block == 256, name
+    if spec.quantized:
+        state = [torch.zeros(param.shape, dtype=torch.uint8, device=device) for _ in range(2)]
+        scales = [torch.zeros(param.numel() // 256, device=device) for _ in range(2)]
+    else:
+        state = [torch.zeros_like(param) for _ in range(2)]
+        scales = [torch.zeros(0, device=device) for _ in range(2)]
+    before = param.clone()
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1)
+    args = ([param], [torch.randn_like(param)], [state[0]], [state[1]], [scales[0]], [scales[1]])
+    try:
+        ops.adam8bit_step_(*args, *_lowbit.qmaps(param.device), **hyper)
+    except (ValueError, TypeError) as exc:
+        assert not spec.stepped, f"{name}: the rule says stepped, the kernel refused: {exc}"
+        return
+    assert spec.stepped or spec.unfit == "layout", f"{name}: the kernel stepped a {param.dtype}"
+    assert not torch.equal(param, before), name
+
+
 def test_on_the_host():
     for name, make in VARIETIES.items():
         param = make()

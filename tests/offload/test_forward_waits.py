@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_harness import run_ranks
-from fault_models import ADAMW, Poison, Tower
+from fault_models import ADAMW, Tower, nan_gradients
 from in_backward_models import OPTIMIZERS, InBackwardLockStep, reference_optimizer, scheduler
 from seam import host_ordered
 from torch import nn
@@ -318,12 +318,8 @@ def _dropped_steps(rank: int, world_size: int, how: str) -> None:
         ddp(x).square().mean().backward()
     assert len(ddp.reducer.bucket_indices()) == 4
     if how == "NaN":  # the NaN check drops this backward's host steps
-        Poison.mode = "nan"
-        try:
-            with pytest.raises(RuntimeError, match="check_for_nan_in_grad"):
-                ddp(x).square().mean().backward()
-        finally:
-            Poison.mode = None
+        with nan_gradients(), pytest.raises(RuntimeError, match="check_for_nan_in_grad"):
+            ddp(x).square().mean().backward()
     else:  # the host kernel rejects the first step: it and the rest are dropped
         group = ddp.optimizer.param_groups[0]
         good, group["betas"] = group["betas"], (1.5, 0.999)

@@ -4,8 +4,10 @@ NaN-check scenario over them (test_nan_check.py, and under host ordering test_ho
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -41,6 +43,16 @@ class Poison(torch.autograd.Function):
         if Poison.mode == "nan":
             return grad * float("nan")
         return grad
+
+
+@contextlib.contextmanager
+def nan_gradients() -> Iterator[None]:
+    """Poison's backward returns NaN gradients inside the block."""
+    Poison.mode = "nan"
+    try:
+        yield
+    finally:
+        Poison.mode = None
 
 
 class Tower(nn.Module):
@@ -156,12 +168,8 @@ def nan_step(rank: int, world_size: int, config: str, check: bool | str, accum: 
             assert_close(ours.params(), ref.params(), config, f"step {step}")
             continue
         before = ours.named()
-        Poison.mode = "nan"
-        try:
-            with pytest.raises(RuntimeError, match="check_for_nan_in_grad") as caught:
-                ours.step(micro)
-        finally:
-            Poison.mode = None
+        with nan_gradients(), pytest.raises(RuntimeError, match="check_for_nan_in_grad") as caught:
+            ours.step(micro)
         message = str(caught.value)
         named = message.split("the reduced gradient of ")[1].split(" holds NaN or infinity")[0]
         assert set(named.split(", ")) == {"layers.0.weight", "layers.0.bias"}, message

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import io
 from collections.abc import Callable, Iterable
 
 import torch
@@ -195,3 +196,12 @@ def assert_params_close(run: InBackwardLockStep, what: str, exact: bool = False)
     tol = dict(rtol=0.0, atol=0.0) if exact else dict(rtol=1e-5, atol=1e-6)
     for name, a, b in run.pairs():
         torch.testing.assert_close(b, a, **tol, msg=lambda m, name=name: f"{what} {name}: {m}")
+
+
+def round_trip(state_dict: dict) -> dict:
+    """``state_dict`` through torch.save and torch.load (weights only), as a checkpoint file
+    takes it."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)

@@ -78,3 +78,57 @@ class Momentum8bit(torch.optim.Optimizer):
                 state["momentum_buffer"] = Blockwise8bit.quantize(buf)
                 p.add_(buf.to(p.dtype), alpha=-group["lr"])
         return loss
+
+
+class Quantizable(torch.nn.Module):
+    """Two layers whose weights torchao keeps 8-bit (8192 and 4096 elements, multiples of its
+    block) and whose biases it keeps plain (fewer than 4096 elements), in ``dtype``."""
+
+    IN = 32
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(self.IN, 256, dtype=dtype)
+        self.down = torch.nn.Linear(256, 16, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(torch.tanh(self.up(x.to(self.up.weight.dtype)))).float()
+
+
+#: On a GPU, the least fraction of equal codes against torchao (whose compiled step fuses
+#: multiply-adds, so a value on a code boundary may round to the neighbouring code).
+CODES_EQUAL = 0.999
+
+
+def assert_torchao_state_equal(ours: dict, ref: dict, what: str, exact: bool = True) -> None:
+    """Two parameters' states in torchao's format equal: the step, and each moment's codes and
+    scales (8-bit) or values (plain), bit for bit, of the same kind; not ``exact`` (a GPU): at
+    least CODES_EQUAL of the codes, scales within 2% (a code one step apart moves a moment by
+    up to 1.4%, which may be its block's largest), plain moments within 1e-5 relative."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    if not exact:
+        assert ours.keys() == ref.keys() and float(ours["step"]) == float(ref["step"]), what
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = ours[key], ref[key]
+            assert type(a) is type(b), f"{what} {key}: {type(a).__name__}"
+            if isinstance(b, OptimState8bit):
+                equal = (a.codes == b.codes).float().mean().item()
+                assert equal >= CODES_EQUAL, f"{what} {key}: {equal:.5f} of the codes equal"
+                torch.testing.assert_close(a.scale, b.scale, rtol=0.02, atol=1e-12)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+        return
+
+    assert ours.keys() == ref.keys(), f"{what}: keys {list(ours)} against {list(ref)}"
+    assert float(ours["step"]) == float(ref["step"]), f"{what}: step"
+    for key in ("exp_avg", "exp_avg_sq"):
+        a, b = ours[key], ref[key]
+        assert type(a) is type(b), f"{what} {key}: {type(a).__name__} against {type(b).__name__}"
+        if isinstance(b, OptimState8bit):
+            assert a.signed == b.signed and a.block_size == b.block_size, f"{what} {key}"
+            assert a.dtype == b.dtype, f"{what} {key}: dtype {a.dtype} against {b.dtype}"
+            assert torch.equal(a.codes, b.codes), f"{what} {key}: codes differ"
+            assert torch.equal(a.scale, b.scale), f"{what} {key}: scales differ"
+        else:
+            assert torch.equal(a, b), f"{what} {key}: values differ"

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .._extension import _C
+from . import _lowbit
 from ._facade import base_class, base_class_of
 
 if TYPE_CHECKING:
@@ -74,12 +75,28 @@ def build_optimizer(
     return optimizer, group_of
 
 
+#: What the fused kernels step, in words (the errors that refuse another optimizer).
+FUSED_WORDS = (
+    "torch.optim.SGD, Adam and AdamW (without amsgrad or differentiable) and torchao's AdamW8bit "
+    f"and Adam8bit (without amsgrad or bf16_stochastic_round, block_size at most "
+    f"{_lowbit.MAX_BLOCK})"
+)
+
+
+def _kind_of_class(cls: type) -> _C.OptimKind | None:
+    if _lowbit.is_8bit_class(cls):
+        return _C.OptimKind.adam8bit
+    return _FUSED_KINDS.get(cls)
+
+
 def fused_kind(optimizer: torch.optim.Optimizer | type) -> _C.OptimKind | None:
     """The kind (``_C.OptimKind``) when leanddp's fused kernels can step this optimizer (or
     class), else None."""
     if isinstance(optimizer, type):
-        return _FUSED_KINDS.get(base_class_of(optimizer))
-    kind = _FUSED_KINDS.get(base_class(optimizer))
+        return _kind_of_class(base_class_of(optimizer))
+    kind = _kind_of_class(base_class(optimizer))
+    if kind == _C.OptimKind.adam8bit:
+        return None if _lowbit.unsupported(optimizer) else kind
     for group in optimizer.param_groups:
         if group.get("differentiable") or group.get("amsgrad"):
             return None
@@ -98,14 +115,18 @@ def check_fused(
     (the device's kernels step any dense layout): the rule is ``leanddp._C.state_spec``'s."""
     kind = fused_kind(optimizer)
     if kind is None:
+        option = "amsgrad or differentiable"
+        if fused_kind(type(optimizer)) == _C.OptimKind.adam8bit:
+            option = str(_lowbit.unsupported(optimizer))
         fail(
-            f"{what} steps with leanddp's fused kernels, which cover torch.optim.SGD, Adam and "
-            f"AdamW (without amsgrad or differentiable); got {type(optimizer).__name__}"
-            + (
-                " with amsgrad or differentiable set"
-                if fused_kind(type(optimizer)) is not None
-                else ""
-            )
+            f"{what} steps with leanddp's fused kernels, which cover {FUSED_WORDS}; got "
+            f"{type(optimizer).__name__}"
+            + (f" with {option} set" if fused_kind(type(optimizer)) is not None else "")
+        )
+    if kind == _C.OptimKind.adam8bit:
+        fail(
+            f"{what} does not step 8-bit optimizer state ({type(optimizer).__name__}); the 8-bit "
+            "state is stepped on the parameters' device (optimizer_in_backward alone)"
         )
     for name, p in trainable:
         spec = _C.state_spec(kind, p, on_host=contiguous, momentum=False)
@@ -128,6 +149,11 @@ def check_scaler(scaler: Any, link: InBackward, names: Sequence[str]) -> None:
         fail(
             "grad_scaler needs an optimizer leanddp's fused kernels step (torch.optim.SGD, "
             f"Adam or AdamW without amsgrad or differentiable); got {link.cls.__name__}"
+        )
+    if link.kind == _C.OptimKind.adam8bit:
+        fail(
+            f"grad_scaler: the 8-bit kernels ({link.cls.__name__}) do not unscale gradients; "
+            "train in bfloat16 (no scaler), or use torch.optim.AdamW"
         )
     for i, fused in enumerate(link.fused):
         if not fused:

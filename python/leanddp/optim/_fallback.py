@@ -46,9 +46,15 @@ class FallbackStepper:
                 for g in groups
             ]
             # The groups carry every hyper-parameter; the constructor also gets the defaults it
-            # accepts (a class may require some), as the user's optimizer was built with.
+            # accepts (a class may require some), as the user's optimizer was built with, and
+            # the settings it accepts that the optimizer keeps as attributes, not in its groups
+            # (torchao's block_size and bf16_stochastic_round).
             accepted = inspect.signature(self._cls.__init__).parameters
             defaults = {k: v for k, v in self._optimizer.defaults.items() if k in accepted}
+            attributes = vars(self._optimizer)
+            for name in accepted:
+                if name not in defaults and name not in ("self", "params") and name in attributes:
+                    defaults[name] = attributes[name]
             try:
                 instance = self._cls(param_groups, **defaults)
             except Exception as exc:

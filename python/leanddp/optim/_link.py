@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .._extension import _C
 from .._stats import storage_bytes
+from . import _lowbit
 from ._checks import build_optimizer, check_fused, check_scaler, fail, fused_kind
 from ._clipping import guard_clipping
 from ._facade import base_class, make_facade
@@ -69,7 +70,9 @@ def _hyper(group: dict[str, Any], cls: type, device: torch.device | None = None)
         dampening=float(group.get("dampening", 0.0)),
         nesterov=bool(group.get("nesterov", False)),
         maximize=bool(group.get("maximize", False)),
-        decoupled=cls is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False)),
+        decoupled=cls is torch.optim.AdamW
+        or bool(group.get("decoupled_weight_decay", False))
+        or _lowbit.decoupled(cls),
     )
 
 
@@ -116,6 +119,7 @@ class InBackward:
             group_of,
             offload,
             sharded,
+            block=_lowbit.block_size(optimizer) if self.kind == _C.OptimKind.adam8bit else 0,
         )
         # per parameter: whether the fused kernels step it (else the fallback does)
         self.fused = self.view.fused
@@ -191,6 +195,9 @@ class InBackward:
         options.offload_threads = self.offload_threads
         options.sharded = self.sharded
         options.max_grad_norm = self.max_grad_norm if self.offload else None
+        if self.kind == _C.OptimKind.adam8bit:
+            options.block_size = self.view.block
+            options.qmaps = _lowbit.qmaps(self.device)
         core = _C.InBackwardOptimizer(self.params, list(names), group, options, self.fallback)
         reducer.set_optimizer(core)
         self._core = weakref.ref(core)
@@ -209,6 +216,16 @@ class InBackward:
 
     def _hypers(self) -> list[_C.OptimHyper]:
         device = None if self.offload else self.device  # the host step takes numbers
+        if self.kind == _C.OptimKind.adam8bit:
+            # torchao keeps lr a CPU tensor, which the kernels take as a number
+            for group in self.optimizer.param_groups:
+                lr = group["lr"]
+                if isinstance(lr, Tensor) and lr.device.type != "cpu":
+                    fail(
+                        f"{self.cls.__name__} keeps lr a CPU tensor (the 8-bit kernels take it as "
+                        f"a number); got one on {lr.device}"
+                    )
+            device = None
         return [_hyper(g, self.cls, device) for g in self.optimizer.param_groups]
 
     def before_forward(self, adopt: bool = True) -> None:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .._extension import _C
+from . import _lowbit
 
 
 class StateView:
@@ -45,6 +46,7 @@ class StateView:
         group_of: Sequence[int],
         offload: bool,
         sharded: bool = False,
+        block: int = 0,
     ) -> None:
         self.optimizer = optimizer
         self.kind = kind
@@ -52,6 +54,7 @@ class StateView:
         self.names = names
         self.group_of = group_of
         self.offload = offload
+        self.block = block  # the 8-bit kind's block size (torchao's block_size)
         # per parameter: whether the fused kernels step it (else the fallback does); fixed
         self.fused = [kind is not None and self.spec(i).stepped for i in range(len(params))]
         # shard_optimizer_state: no rank holds a parameter's whole state, so optimizer.state
@@ -69,7 +72,9 @@ class StateView:
         it is now (SGD keeps a buffer only with momentum). Needs a fused kind."""
         momentum = self.optimizer.param_groups[self.group_of[i]].get("momentum", 0) != 0
         assert self.kind is not None  # (asked only where the kernels step)
-        return _C.state_spec(self.kind, self.params[i], on_host=self.offload, momentum=momentum)
+        return _C.state_spec(
+            self.kind, self.params[i], on_host=self.offload, momentum=momentum, block=self.block
+        )
 
     @property
     def state(self) -> dict[Any, dict[str, Any]]:
@@ -93,7 +98,11 @@ class StateView:
             elif self.fused[i]:
                 entries = core.state(i)
                 if entries:
-                    entry = dict(entries)
+                    entry = (
+                        _lowbit.to_torchao(entries, p, _lowbit.qmaps(p.device))
+                        if self.kind == _C.OptimKind.adam8bit
+                        else dict(entries)
+                    )
                     state[p] = entry
                     self.given[i] = (entry, tuple(entry.values()))
         self.generation = generation
@@ -234,14 +243,19 @@ class StateView:
         if spec.counted:
             if any(key in entry for key in ("step", *spec.buffers)):
                 values = [entry[key] for key in spec.buffers]
+                if self.kind == _C.OptimKind.adam8bit:
+                    values = _lowbit.load_values(spec, values, self.params[i])
                 core.load_state(i, int(float(entry["step"])), values)
                 return
-            # Starting over: the first step reads the buffers as zeros (Adam's moments), so the
-            # values held so far must not survive in leanddp's buffers (a count of 0 alone
-            # keeps them).
-            held = dict(core.state(i))
-            if spec.buffers and spec.buffers[0] in held:
-                zeros = [torch.zeros_like(held[key]) for key in spec.buffers]
+            # Starting over: the first step reads the buffers as zeros (Adam's moments; 8-bit
+            # codes and scales of zero are zero moments), so the values held so far must not
+            # survive in leanddp's buffers (a count of 0 alone keeps them).
+            zeros = [
+                torch.zeros_like(value)
+                for key, value in core.state(i)
+                if key not in ("step", "master_weight")
+            ]
+            if zeros:
                 core.load_state(i, 1, zeros)
             core.load_state(i, 0, [])
             return

@@ -1,0 +1,291 @@
+"""optimizer_in_backward with torchao's 8-bit optimizers (``AdamW8bit``, ``Adam8bit``), stepped by
+leanddp's 8-bit kernels bucket by bucket inside backward, against torch's DDP + torchao's own
+optimizer in the same processes, on random data: on the CPU leanddp's kernel computes torchao's
+compiled step exactly, so parameters, step counts, codes and scales are held equal bit for bit
+after every step (accumulation, an LR scheduler, parameter groups with their own weight decay
+and learning rate, Adam's L2 form, bfloat16 parameters, tiny buckets); ``optimizer.state`` is
+torchao's format over leanddp's buffers, and memory_stats() counts it."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from fault_models import Poison, nan_gradients
+from in_backward_models import InBackwardLockStep, grouped, round_trip
+from lowbit_models import Quantizable, assert_torchao_state_equal
+
+import leanddp
+
+torchao_optim = pytest.importorskip("torchao.optim")
+
+STEPS = 4
+BATCH = 6
+
+ADAMW8 = functools.partial(torchao_optim.AdamW8bit, lr=1e-2, weight_decay=0.1)
+
+#: (name, model dtype, factory, accumulation, bucket_cap_mb)
+VARIANTS = [
+    ("adamw8bit", torch.float32, ADAMW8, 1, None),
+    (
+        "groups accum",
+        torch.float32,
+        grouped(torchao_optim.AdamW8bit, lr=1e-2, weight_decay=0.1),
+        3,
+        0.02,
+    ),
+    (
+        "adam8bit",
+        torch.float32,
+        functools.partial(torchao_optim.Adam8bit, lr=1e-2, weight_decay=0.1),
+        2,
+        None,
+    ),
+    ("bf16", torch.bfloat16, ADAMW8, 2, 0.01),
+]
+
+
+def expected_state_bytes(state: dict) -> int:
+    """Bytes leanddp holds for torchao's ``state`` of the same parameters: the codes and scales
+    (one map pair in all, where torchao keeps one per moment), plain moments and step counts."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    total, maps = 0, 0
+    for entry in state.values():
+        total += entry["step"].nbytes
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = entry[key]
+            if isinstance(value, OptimState8bit):
+                total += value.codes.nbytes + value.scale.nbytes
+                maps = 2 * value.qmap.nbytes
+            else:
+                total += value.nbytes
+    return total + maps
+
+
+def _parity(rank: int, world_size: int, device: str = "cpu") -> None:
+    """The variants against torch's DDP + torchao: bit for bit on the CPU; on a GPU (torchao's
+    compiled step fuses multiply-adds) within 3 * lr * 1.4% per step (a code one step apart
+    moves a moment by up to 1.4%, so the next update by up to lr * 1.4%), bfloat16 one ulp."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    exact = device == "cpu"
+    for name, dtype, factory, accum, cap in VARIANTS:
+        torch.manual_seed(0)
+        run = InBackwardLockStep(
+            Quantizable(dtype).to(device), factory, fused_reference=False, bucket_cap_mb=cap
+        )
+        lr = factory.keywords["lr"] if isinstance(factory, functools.partial) else 2e-2
+        rtol = 2**-7 if dtype == torch.bfloat16 else 0.0
+        ref_params = list(run.ref.module.parameters())
+        our_params = list(run.ours.module.parameters())
+        for step in range(STEPS):
+            run.step([torch.randn(BATCH, Quantizable.IN, device=device) for _ in range(accum)])
+            what = f"{name} step {step}"
+            for pname, a, b in run.pairs():
+                if exact:
+                    assert torch.equal(a, b), f"{what} {pname}: max diff {(a - b).abs().max()}"
+                else:
+                    atol = 3 * 0.014 * lr * (step + 1)
+                    torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=f"{what} {pname}")
+            for p_ref, p_ours in zip(ref_params, our_params, strict=True):
+                ref_state = run.ref_opt.state[p_ref]
+                ours_state = run.ours.optimizer.state[p_ours]
+                shape = tuple(p_ours.shape)
+                assert_torchao_state_equal(ours_state, ref_state, f"{what} {shape}", exact)
+        quantized = [
+            isinstance(run.ours.optimizer.state[p]["exp_avg"], OptimState8bit) for p in our_params
+        ]
+        assert quantized == [p.numel() >= 4096 for p in our_params], f"{name}: {quantized}"
+        link = run.ours._in_backward
+        assert link.fallback.calls == 0 and all(link.fused), f"{name}: the fallback stepped"
+        stats = run.ours.memory_stats()
+        expected = expected_state_bytes(run.ref_opt.state)
+        assert stats["optimizer_state_bytes"] == expected, (name, stats, expected)
+
+
+def test_parity_with_torch_ddp_and_torchao() -> None:
+    run_ranks(2, _parity)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
+def test_cuda_parity_with_torch_ddp_and_torchao() -> None:
+    """The same on a GPU (NCCL, world size 1): the 8-bit steps on the side stream."""
+    run_ranks(1, _parity, "cuda", backend="nccl")
+
+
+def _checkpoints(rank: int, world_size: int) -> None:
+    """A run that never stops against one resumed at step 2 from the other side's checkpoint:
+    torchao's optimizer on torch's DDP loads leanddp's ``optimizer.state_dict()``, leanddp loads
+    torchao's; from there all four runs stay equal bit for bit."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    torch.manual_seed(0)
+    model = Quantizable()
+    data = [[torch.randn(BATCH, Quantizable.IN) for _ in range(2)] for _ in range(4)]
+    whole = InBackwardLockStep(model, ADAMW8, with_scheduler=False, fused_reference=False)
+    for batches in data[:2]:
+        whole.step(batches)
+    ours_saved = round_trip(whole.ours.optimizer.state_dict())
+    ref_saved = round_trip(whole.ref_opt.state_dict())
+    kinds = [type(e["exp_avg"]) for e in ours_saved["state"].values()]
+    assert kinds.count(OptimState8bit) == 2, f"leanddp's checkpoint is not torchao's: {kinds}"
+    model.load_state_dict(whole.ours.module.state_dict())
+    resumed = InBackwardLockStep(model, ADAMW8, with_scheduler=False, fused_reference=False)
+    resumed.ref_opt.load_state_dict(ours_saved)  # leanddp -> torchao
+    resumed.ours.optimizer.load_state_dict(ref_saved)  # torchao -> leanddp
+    for step, batches in enumerate(data[2:], start=2):
+        whole.step(batches)
+        resumed.step(batches)
+        runs = {"whole": whole, "resumed": resumed}
+        for run_name, run in runs.items():
+            for pname, a, b in run.pairs():
+                assert torch.equal(a, b), f"{run_name} step {step} {pname}"
+        for (pname, a, _), (_, _, b) in zip(whole.pairs(), resumed.pairs(), strict=True):
+            assert torch.equal(a, b), f"step {step} {pname}: resumed differs from never stopping"
+        for p_whole, p_resumed in zip(
+            whole.ours.module.parameters(), resumed.ours.module.parameters(), strict=True
+        ):
+            assert_torchao_state_equal(
+                resumed.ours.optimizer.state[p_resumed],
+                whole.ours.optimizer.state[p_whole],
+                f"step {step} {tuple(p_whole.shape)}",
+            )
+
+
+def test_checkpoints_both_ways_resume_exactly() -> None:
+    run_ranks(2, _checkpoints)
+
+
+def _float_checkpoint(rank: int, world_size: int) -> None:
+    """torch's AdamW checkpoint (float32 moments) loaded into the 8-bit optimizer: the moments
+    of 8-bit parameters are quantized as torchao's quantizer does, the others kept, and the
+    training goes on from there."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    torch.manual_seed(0)
+    model = Quantizable()
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(BATCH, Quantizable.IN)).square().mean().backward()
+        plain.step()
+    saved = round_trip(plain.state_dict())
+    ours = leanddp.DistributedDataParallel(model, optimizer_in_backward=ADAMW8)
+    ours.optimizer.load_state_dict(saved)
+    for p, entry in zip(model.parameters(), saved["state"].values(), strict=True):
+        state = ours.optimizer.state[p]
+        assert float(state["step"]) == float(entry["step"])
+        for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            if p.numel() < 4096:
+                assert torch.equal(state[key], entry[key]), key
+                continue
+            expected = OptimState8bit.zeros(p.shape, signed, 256, dtype=p.dtype)
+            expected.copy_(entry[key])
+            assert isinstance(state[key], OptimState8bit), key
+            assert torch.equal(state[key].codes, expected.codes), key
+            assert torch.equal(state[key].scale, expected.scale), key
+    before = [p.detach().clone() for p in ours.module.parameters()]
+    ours(torch.randn(BATCH, Quantizable.IN)).square().mean().backward()
+    for p, old in zip(ours.module.parameters(), before, strict=True):
+        assert torch.isfinite(p).all() and not torch.equal(p, old)
+        assert float(ours.optimizer.state[p]["step"]) == 3.0
+
+
+def test_float_checkpoint_is_quantized_on_load() -> None:
+    run_ranks(2, _float_checkpoint)
+
+
+def _refused(rank: int, world_size: int) -> None:
+    """What the 8-bit kernels do not step is refused before any state changes where no fallback
+    exists (offload_to_cpu, shard_optimizer_state, a GradScaler), and stepped by torchao's own
+    step per bucket on the device (an option the kernels do not implement)."""
+    model = Quantizable()
+    cases = [
+        (dict(offload_to_cpu=True), ADAMW8, "offload_to_cpu does not step 8-bit"),
+        (dict(shard_optimizer_state=True), ADAMW8, "shard_optimizer_state does not step 8-bit"),
+        (
+            dict(offload_to_cpu=True),
+            functools.partial(torchao_optim.AdamW8bit, amsgrad=True),
+            "AdamW8bit with amsgrad set",
+        ),
+        (
+            dict(grad_scaler=torch.amp.GradScaler("cpu")),
+            ADAMW8,
+            "the 8-bit kernels .AdamW8bit. do not unscale",
+        ),
+    ]
+    for kwargs, factory, message in cases:
+        with pytest.raises(ValueError, match=message):
+            leanddp.DistributedDataParallel(model, optimizer_in_backward=factory, **kwargs)
+    for option in (dict(bf16_stochastic_round=True), dict(block_size=8192)):
+        factory = functools.partial(torchao_optim.AdamW8bit, lr=1e-2, weight_decay=0.1, **option)
+        run = InBackwardLockStep(model, factory, with_scheduler=False, fused_reference=False)
+        run.step([torch.randn(BATCH, Quantizable.IN)])
+        assert run.ours._in_backward.kind is None, option
+        assert run.ours._in_backward.fallback.calls > 0, option
+        for pname, a, b in run.pairs():
+            assert torch.equal(a, b), f"{option} {pname}"
+
+
+def test_options_the_kernels_lack_are_refused_or_fall_back() -> None:
+    run_ranks(2, _refused)
+
+
+class _PoisonedUp(Quantizable):
+    """Quantizable whose ``up`` layer's gradients are NaN while ``Poison.mode`` is "nan"."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(Poison.apply(torch.tanh(self.up(x))))
+
+
+def _nan_check(rank: int, world_size: int) -> None:
+    """check_for_nan_in_grad with the 8-bit kernels: a NaN in ``up``'s reduced gradients raises
+    on every rank; ``down`` (reduced first, in its own bucket) was stepped, ``up``'s kernel
+    skipped it through found_inf: its weights, codes, scales and step counts are as before, and
+    training goes on."""
+    torch.manual_seed(0)
+    ddp = leanddp.DistributedDataParallel(
+        _PoisonedUp(), optimizer_in_backward=ADAMW8, bucket_cap_mb=0.015, check_for_nan_in_grad=True
+    )
+    x = torch.randn(BATCH, Quantizable.IN)
+
+    def snapshot() -> dict[str, list[torch.Tensor]]:
+        ddp.synchronize()
+        out = {}
+        for name, p in ddp.module.named_parameters():
+            state = ddp.optimizer.state[p]
+            tensors = [p, state["step"]]
+            for key in ("exp_avg", "exp_avg_sq"):
+                v = state[key]
+                tensors += [v.codes, v.scale] if hasattr(v, "codes") else [v]
+            out[name] = [t.detach().clone() for t in tensors]
+        return out
+
+    for _ in range(2):
+        ddp(x).square().mean().backward()
+    before = snapshot()
+    with nan_gradients(), pytest.raises(RuntimeError, match="check_for_nan_in_grad"):
+        ddp(x).square().mean().backward()
+    after = snapshot()
+    for name in before:
+        same = all(torch.equal(a, b) for a, b in zip(before[name], after[name], strict=True))
+        diffs = [
+            i
+            for i, (a, b) in enumerate(zip(before[name], after[name], strict=True))
+            if not torch.equal(a, b)
+        ]
+        assert same == name.startswith("up."), (
+            f"{name}: changed={not same} {diffs} {before[name][1]} {after[name][1]}"
+        )
+        steps = float(after[name][1])
+        assert steps == (2.0 if name.startswith("up.") else 3.0), f"{name}: step {steps}"
+    ddp(x).square().mean().backward()
+    for name, values in snapshot().items():
+        assert torch.isfinite(values[0]).all(), name
+        assert float(values[1]) == (3.0 if name.startswith("up.") else 4.0), name
+
+
+def test_nan_check_skips_the_flagged_buckets() -> None:
+    run_ranks(2, _nan_check)
