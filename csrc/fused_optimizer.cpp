@@ -144,6 +144,10 @@ void FusedOptimizer::check_groups(const std::vector<OptimHyper>& groups) const {
     TORCH_CHECK(g >= 0 && static_cast<size_t>(g) < groups.size(),
                 "FusedOptimizer: parameter group ", g, " has no hyper-parameters");
   }
+  for (const OptimHyper& h : groups) {
+    TORCH_CHECK(kind_ != OptimKind::kAdam8bit || !h.lr_tensor.defined(),
+                "FusedOptimizer: the 8-bit kernels take the learning rate as a number");
+  }
 }
 
 size_t FusedOptimizer::num_buffers(int64_t group) const {
@@ -401,7 +405,7 @@ std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state_from(
     size_t p, const std::vector<at::Tensor>& full, int64_t offset) const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   const bool momentum = groups_[static_cast<size_t>(group_of_[p])].momentum != 0.0;
-  const StateSpec rule = state_spec(kind_, params_[p], on_host_, momentum);
+  const StateSpec rule = state_spec(kind_, params_[p], on_host_, momentum, quant_.block);
   if (steps_[p] == 0 || full.size() < rule.buffers.size()) return out;
   if (rule.counted) out.emplace_back("step", step_tensors_[p]);
   for (size_t k = 0; k < rule.buffers.size(); ++k) {
@@ -428,7 +432,7 @@ void FusedOptimizer::load_state(size_t p, size_t index, const Bucket& bucket, si
   ensure_state(index, bucket, nbuf);
   if (kind_ == OptimKind::kAdam8bit) {
     // codes and scales (quantized) or the two moments, in pieces8()'s order
-    std::vector<at::Tensor> pieces = pieces8(flats_[index], bucket, slot);
+    std::vector<at::Tensor> pieces = pieces8(flats_[index], layouts8_[index], bucket, slot);
     TORCH_CHECK(values.size() == pieces.size(), "FusedOptimizer: expected ", pieces.size(),
                 " 8-bit state tensors, got ", values.size());
     for (size_t k = 0; k < pieces.size(); ++k) pieces[k].copy_(values[k].reshape({-1}));

@@ -214,11 +214,13 @@ class FusedOptimizer {
     std::vector<int64_t> scale_at;  // per slot: offset in the scales (quantized)
     int64_t codes = 0, scales = 0, plain = 0;  // the buffers' lengths
   };
+  // (members the kernels do not step have no place in it: the fallback keeps their state)
   Layout8 layout8(const Bucket& bucket) const;
   void ensure_state8(size_t index, const Bucket& bucket);
-  // Slot `slot`'s state as 1-D tensors: codes, codes, scale, scale (quantized), else moments.
-  std::vector<at::Tensor> pieces8(const std::vector<at::Tensor>& flats, const Bucket& bucket,
-                                  size_t slot) const;
+  // Slot `slot`'s state (a stepped member) as 1-D tensors of the buffers `flats` laid out as
+  // `layout`: codes, codes, scale, scale (quantized), else the two moments.
+  std::vector<at::Tensor> pieces8(const std::vector<at::Tensor>& flats, const Layout8& layout,
+                                  const Bucket& bucket, size_t slot) const;
   void step8(size_t index, const Bucket& bucket, const std::vector<char>& mask,
              const StepTargets& targets);
   std::vector<std::pair<std::string, at::Tensor>> state8(size_t p, size_t index,
@@ -242,8 +244,10 @@ class FusedOptimizer {
   Quant8 quant_;                                // kAdam8bit
   std::vector<std::vector<at::Tensor>> flats_;  // per bucket: its state buffers (may be empty)
   std::vector<ShardLayout> shards_;             // per bucket, sharded (else empty)
-  std::vector<int64_t> steps_;                  // per parameter: updates taken
-  std::vector<at::Tensor> step_tensors_;        // per parameter (Adam): torch's `step`
+  // kAdam8bit, per bucket: the layout of its state buffers (set with them, by ensure_state8)
+  std::vector<Layout8> layouts8_;
+  std::vector<int64_t> steps_;            // per parameter: updates taken
+  std::vector<at::Tensor> step_tensors_;  // per parameter (Adam): torch's `step`
   int64_t generation_ = 0;
 };
 

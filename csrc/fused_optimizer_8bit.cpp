@@ -44,6 +44,11 @@ FusedOptimizer::Layout8 FusedOptimizer::layout8(const Bucket& bucket) const {
     const bool quantized =
         state_spec(kind_, param, on_host_, /*momentum=*/false, quant_.block).quantized;
     out.quantized.push_back(quantized);
+    if (!can_step(static_cast<size_t>(p))) {  // (stepped by the fallback, which keeps its state)
+      out.at.push_back(-1);
+      out.scale_at.push_back(-1);
+      continue;
+    }
     out.at.push_back(quantized ? out.codes : out.plain);
     out.scale_at.push_back(quantized ? out.scales : -1);
     if (quantized) {
@@ -58,7 +63,9 @@ FusedOptimizer::Layout8 FusedOptimizer::layout8(const Bucket& bucket) const {
 
 void FusedOptimizer::ensure_state8(size_t index, const Bucket& bucket) {
   TORCH_CHECK(!sharded(), "FusedOptimizer: the 8-bit state is not sharded");
-  const Layout8 layout = layout8(bucket);
+  if (layouts8_.size() <= index) layouts8_.resize(index + 1);
+  layouts8_[index] = layout8(bucket);
+  const Layout8& layout = layouts8_[index];
   auto& flats = flats_[index];
   flats.clear();
   // Zero codes with zero scales dequantize to zero moments, as torchao's fresh state does.
@@ -73,8 +80,10 @@ void FusedOptimizer::ensure_state8(size_t index, const Bucket& bucket) {
 }
 
 std::vector<at::Tensor> FusedOptimizer::pieces8(const std::vector<at::Tensor>& flats,
-                                                const Bucket& bucket, size_t slot) const {
-  const Layout8 layout = layout8(bucket);
+                                                const Layout8& layout, const Bucket& bucket,
+                                                size_t slot) const {
+  TORCH_CHECK(layout.at[slot] >= 0, "FusedOptimizer: slot ", slot,
+              " is not stepped by the 8-bit kernels");
   const int64_t numel = params_[static_cast<size_t>(bucket.params[slot])].numel();
   const int64_t at = layout.at[slot];
   if (!layout.quantized[slot]) {
@@ -94,6 +103,7 @@ void FusedOptimizer::step8(size_t index, const Bucket& bucket, const std::vector
               "FusedOptimizer: one low-precision copy per slot, or none");
   ensure_state(index, bucket, kBuffers8);
   const auto& flats = flats_[index];
+  const Layout8& layout = layouts8_[index];
   const at::Tensor no_scale = at::empty({0}, state_options_.dtype(at::kFloat));
   // Members sharing a group and a step count are stepped by one kernel launch.
   std::map<std::pair<int64_t, int64_t>, std::vector<size_t>> calls;
@@ -104,12 +114,10 @@ void FusedOptimizer::step8(size_t index, const Bucket& bucket, const std::vector
   }
   for (const auto& [key, slots] : calls) {
     const OptimHyper& h = groups_[static_cast<size_t>(key.first)];
-    TORCH_CHECK(!h.lr_tensor.defined(),
-                "FusedOptimizer: the 8-bit kernels take the learning rate as a number");
     std::vector<at::Tensor> params, grads, m, v, scale_m, scale_v, copies;
     for (size_t s : slots) {
       const at::Tensor& param = targets.params[s];
-      std::vector<at::Tensor> state = pieces8(flats, bucket, s);
+      std::vector<at::Tensor> state = pieces8(flats, layout, bucket, s);
       params.push_back(param);
       grads.push_back(targets.grads[s]);
       m.push_back(state[0].view(param.sizes()));
@@ -148,7 +156,7 @@ std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state8(size_t p,
                                                                        size_t slot) const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   if (steps_[p] == 0 || flats_[index].size() < kBuffers8) return out;
-  const std::vector<at::Tensor> pieces = pieces8(flats_[index], bucket, slot);
+  const std::vector<at::Tensor> pieces = pieces8(flats_[index], layouts8_[index], bucket, slot);
   const at::Tensor& param = params_[p];
   out.emplace_back("step", step_tensors_[p]);
   out.emplace_back("exp_avg", pieces[0].view(param.sizes()));
@@ -170,6 +178,7 @@ void FusedOptimizer::relayout8(const std::vector<Bucket>& old_buckets,
   }
   std::vector<std::vector<at::Tensor>> old_flats = std::exchange(flats_, {});
   const auto held = [&](size_t b) { return b < old_flats.size() && !old_flats[b].empty(); };
+  const std::vector<Layout8> old_layouts = std::exchange(layouts8_, {});
   flats_.assign(new_buckets.size(), {});
   for (size_t b = 0; b < new_buckets.size(); ++b) {
     const Bucket& bucket = new_buckets[b];
@@ -177,11 +186,14 @@ void FusedOptimizer::relayout8(const std::vector<Bucket>& old_buckets,
     for (int64_t p : bucket.params) any = any || held(old_at[static_cast<size_t>(p)].first);
     if (!any) continue;
     ensure_state(b, bucket, kBuffers8);
+    const Layout8& layout = layouts8_[b];
     for (size_t s = 0; s < bucket.params.size(); ++s) {
-      const auto [ob, os] = old_at[static_cast<size_t>(bucket.params[s])];
-      if (!held(ob)) continue;
-      const std::vector<at::Tensor> from = pieces8(old_flats[ob], old_buckets[ob], os);
-      const std::vector<at::Tensor> to = pieces8(flats_[b], bucket, s);
+      const auto p = static_cast<size_t>(bucket.params[s]);
+      const auto [ob, os] = old_at[p];
+      if (!held(ob) || !can_step(p)) continue;
+      const std::vector<at::Tensor> from =
+          pieces8(old_flats[ob], old_layouts[ob], old_buckets[ob], os);
+      const std::vector<at::Tensor> to = pieces8(flats_[b], layout, bucket, s);
       for (size_t k = 0; k < to.size(); ++k) to[k].copy_(from[k]);
     }
   }

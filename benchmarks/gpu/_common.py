@@ -19,14 +19,17 @@ from torch import nn
 
 from leanddp.bench._env import environment
 from leanddp.bench._model import SIZES, ModelSize, TinyGPT
+from leanddp.bench._worker import CONFIGS as BENCH_CONFIGS
 from leanddp.bench._worker import (  # noqa: F401 (as the demo's)
-    CONFIGS,
     DEVICE_ACCUMULATION,
     SHARDED,
     SHARDED_OFFLOAD,
     build,
 )
 
+#: The demo's configurations these benchmarks compare with torch's DDP + AdamW (the 8-bit ones,
+#: whose anchor is torchao's AdamW8bit, are the demo's --lowbit runs)
+CONFIGS = {name: config for name, config in BENCH_CONFIGS.items() if not config.lowbit}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: ``LEANDDP_GPU_SMOKE=1`` runs the benchmarks as ``--smoke`` does: CPU, tiny model, few steps.
 SMOKE_ENV = "LEANDDP_GPU_SMOKE"

@@ -8,10 +8,12 @@ torchao's format over leanddp's buffers, and memory_stats() counts it."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
 import torch
+from ddp_models import accumulate
 from dist_harness import run_ranks
 from fault_models import Poison, nan_gradients
 from in_backward_models import InBackwardLockStep, grouped, round_trip
@@ -110,13 +112,90 @@ def test_parity_with_torch_ddp_and_torchao() -> None:
     run_ranks(2, _parity)
 
 
+def _offload(rank: int, world_size: int) -> None:
+    """offload_to_cpu with the 8-bit state on the host, stepped by the CPU kernel: float32
+    parameters against torch's DDP + torchao bit for bit (accumulation, groups, an LR
+    scheduler), and within 1e-5 with max_grad_norm (the clipping coefficients may differ in
+    the last bit); the state, float32 on the host, in torchao's format."""
+    variants = [
+        ("offload", ADAMW8, 2, None),
+        ("offload groups", VARIANTS[1][2], 1, None),
+        ("offload clipped", ADAMW8, 2, 0.05),
+    ]
+    for name, factory, accum, max_norm in variants:
+        torch.manual_seed(0)
+        run = InBackwardLockStep(
+            Quantizable(), factory, fused_reference=False, offload=True, max_grad_norm=max_norm
+        )
+        exact = max_norm is None
+        for step in range(STEPS):
+            run.step([torch.randn(BATCH, Quantizable.IN) for _ in range(accum)])
+            what = f"{name} step {step}"
+            for pname, a, b in run.pairs():
+                tol = dict(rtol=0.0, atol=0.0) if exact else dict(rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(b, a, **tol, msg=f"{what} {pname}")
+            pairs = zip(run.ref.module.parameters(), run.ours.module.parameters(), strict=True)
+            for p_ref, p_ours in pairs:
+                assert_torchao_state_equal(
+                    run.ours.optimizer.state[p_ours],
+                    run.ref_opt.state[p_ref],
+                    f"{what} {tuple(p_ours.shape)}",
+                    exact,
+                )
+        assert run.ours.offload_stats()["buckets"] > 0, name
+
+
+def test_offload_parity_with_torch_ddp_and_torchao() -> None:
+    run_ranks(2, _offload)
+
+
+def _offload_bf16(rank: int, world_size: int) -> None:
+    """offload_to_cpu with bfloat16 parameters: the host steps float32 masters with 8-bit state;
+    against torch's DDP on the same bfloat16 model with torchao's AdamW8bit stepping float32
+    copies of the weights (their gradients the bfloat16 ones, widened) that are then rounded
+    into the model: weights, masters and state equal bit for bit."""
+    torch.manual_seed(0)
+    model = Quantizable(torch.bfloat16)
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    masters = [p.detach().float() for p in ref.module.parameters()]
+    ref_opt = ADAMW8(masters)
+    ours = leanddp.DistributedDataParallel(
+        copy.deepcopy(model), optimizer_in_backward=ADAMW8, offload_to_cpu=True
+    )
+    for step in range(STEPS):
+        batches = [torch.randn(BATCH, Quantizable.IN) for _ in range(2)]
+        for ddp in (ref, ours):
+            accumulate(ddp, batches)
+        for master, p in zip(masters, ref.module.parameters(), strict=True):
+            master.grad = p.grad.float()
+            p.grad = None
+        ref_opt.step()
+        with torch.no_grad():
+            for master, p in zip(masters, ref.module.parameters(), strict=True):
+                p.copy_(master)
+        ours.synchronize()
+        for (pname, a), b, master in zip(
+            ref.module.named_parameters(), ours.module.parameters(), masters, strict=True
+        ):
+            what = f"bf16 offload step {step} {pname}"
+            assert torch.equal(a, b), what
+            state = ours.optimizer.state[b]
+            assert torch.equal(state["master_weight"], master), what
+            actual = {k: v for k, v in state.items() if k != "master_weight"}
+            assert_torchao_state_equal(actual, ref_opt.state[master], what)
+
+
+def test_offload_bf16_steps_float32_masters() -> None:
+    run_ranks(2, _offload_bf16)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
 def test_cuda_parity_with_torch_ddp_and_torchao() -> None:
     """The same on a GPU (NCCL, world size 1): the 8-bit steps on the side stream."""
     run_ranks(1, _parity, "cuda", backend="nccl")
 
 
-def _checkpoints(rank: int, world_size: int) -> None:
+def _checkpoints(rank: int, world_size: int, offload: bool) -> None:
     """A run that never stops against one resumed at step 2 from the other side's checkpoint:
     torchao's optimizer on torch's DDP loads leanddp's ``optimizer.state_dict()``, leanddp loads
     torchao's; from there all four runs stay equal bit for bit."""
@@ -125,7 +204,8 @@ def _checkpoints(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = Quantizable()
     data = [[torch.randn(BATCH, Quantizable.IN) for _ in range(2)] for _ in range(4)]
-    whole = InBackwardLockStep(model, ADAMW8, with_scheduler=False, fused_reference=False)
+    kw = dict(with_scheduler=False, fused_reference=False, offload=offload)
+    whole = InBackwardLockStep(model, ADAMW8, **kw)
     for batches in data[:2]:
         whole.step(batches)
     ours_saved = round_trip(whole.ours.optimizer.state_dict())
@@ -133,7 +213,7 @@ def _checkpoints(rank: int, world_size: int) -> None:
     kinds = [type(e["exp_avg"]) for e in ours_saved["state"].values()]
     assert kinds.count(OptimState8bit) == 2, f"leanddp's checkpoint is not torchao's: {kinds}"
     model.load_state_dict(whole.ours.module.state_dict())
-    resumed = InBackwardLockStep(model, ADAMW8, with_scheduler=False, fused_reference=False)
+    resumed = InBackwardLockStep(model, ADAMW8, **kw)
     resumed.ref_opt.load_state_dict(ours_saved)  # leanddp -> torchao
     resumed.ours.optimizer.load_state_dict(ref_saved)  # torchao -> leanddp
     for step, batches in enumerate(data[2:], start=2):
@@ -155,8 +235,9 @@ def _checkpoints(rank: int, world_size: int) -> None:
             )
 
 
-def test_checkpoints_both_ways_resume_exactly() -> None:
-    run_ranks(2, _checkpoints)
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_checkpoints_both_ways_resume_exactly(offload: bool) -> None:
+    run_ranks(2, _checkpoints, offload)
 
 
 def _float_checkpoint(rank: int, world_size: int) -> None:
@@ -199,12 +280,11 @@ def test_float_checkpoint_is_quantized_on_load() -> None:
 
 def _refused(rank: int, world_size: int) -> None:
     """What the 8-bit kernels do not step is refused before any state changes where no fallback
-    exists (offload_to_cpu, shard_optimizer_state, a GradScaler), and stepped by torchao's own
-    step per bucket on the device (an option the kernels do not implement)."""
+    exists (shard_optimizer_state, offload_to_cpu with an option the kernels do not implement,
+    a GradScaler), and stepped by torchao's own step per bucket on the device."""
     model = Quantizable()
     cases = [
-        (dict(offload_to_cpu=True), ADAMW8, "offload_to_cpu does not step 8-bit"),
-        (dict(shard_optimizer_state=True), ADAMW8, "shard_optimizer_state does not step 8-bit"),
+        (dict(shard_optimizer_state=True), ADAMW8, "shard_optimizer_state does not shard 8-bit"),
         (
             dict(offload_to_cpu=True),
             functools.partial(torchao_optim.AdamW8bit, amsgrad=True),
@@ -219,14 +299,65 @@ def _refused(rank: int, world_size: int) -> None:
     for kwargs, factory, message in cases:
         with pytest.raises(ValueError, match=message):
             leanddp.DistributedDataParallel(model, optimizer_in_backward=factory, **kwargs)
-    for option in (dict(bf16_stochastic_round=True), dict(block_size=8192)):
+    # bf16_stochastic_round rounds only bfloat16 parameters: without any, the kernels step
+    options = [(dict(bf16_stochastic_round=True), True), (dict(block_size=8192), False)]
+    for option, fused in options:
         factory = functools.partial(torchao_optim.AdamW8bit, lr=1e-2, weight_decay=0.1, **option)
         run = InBackwardLockStep(model, factory, with_scheduler=False, fused_reference=False)
         run.step([torch.randn(BATCH, Quantizable.IN)])
-        assert run.ours._in_backward.kind is None, option
-        assert run.ours._in_backward.fallback.calls > 0, option
+        assert (run.ours._in_backward.kind is not None) == fused, option
+        assert (run.ours._in_backward.fallback.calls == 0) == fused, option
         for pname, a, b in run.pairs():
             assert torch.equal(a, b), f"{option} {pname}"
+    stochastic = functools.partial(torchao_optim.AdamW8bit, bf16_stochastic_round=True)
+    bf16 = leanddp.DistributedDataParallel(
+        Quantizable(torch.bfloat16), optimizer_in_backward=stochastic
+    )
+    assert bf16._in_backward.kind is None
+
+
+class _WithTransposed(Quantizable):
+    """Quantizable and a transposed (not contiguous) 256 x 16 weight, which the 8-bit kernels
+    leave to the fallback, in a bucket with parameters they step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.side = torch.nn.Parameter(torch.randn(16, 256).t())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(x))
+        return self.down(h) + h @ self.side
+
+
+def _mixed(rank: int, world_size: int) -> None:
+    """A bucket of parameters the 8-bit kernels step and one the fallback steps (torchao's own
+    step, its state its own): equal to torch's DDP + torchao bit for bit, and the kernels'
+    buffers hold the stepped parameters' state only (codes, scales, plain moments)."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    torch.manual_seed(0)
+    run = InBackwardLockStep(_WithTransposed(), ADAMW8, with_scheduler=False, fused_reference=False)
+    for _ in range(2):
+        run.step([torch.randn(BATCH, Quantizable.IN)])
+        for pname, a, b in run.pairs():
+            assert torch.equal(a, b), pname
+    link = run.ours._in_backward
+    # (side, a parameter of the module itself, comes first)
+    assert link.fused == [False, True, True, True, True] and link.fallback.calls > 0
+    assert len(run.ours.reducer.bucket_indices()) == 1
+    held = 0
+    for p, fused in zip(run.ours.module.parameters(), link.fused, strict=True):
+        for key in ("exp_avg", "exp_avg_sq"):
+            v = run.ours.optimizer.state[p][key]
+            if fused:
+                held += (
+                    v.codes.nbytes + v.scale.nbytes if isinstance(v, OptimState8bit) else v.nbytes
+                )
+    assert link.core.memory_stats().state_bytes == held
+
+
+def test_kernels_and_fallback_share_a_bucket() -> None:
+    run_ranks(2, _mixed)
 
 
 def test_options_the_kernels_lack_are_refused_or_fall_back() -> None:

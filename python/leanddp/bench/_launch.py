@@ -17,7 +17,14 @@ import torch
 from leanddp.bench._env import environment
 from leanddp.bench._model import SIZES, TinyGPT
 from leanddp.bench._report import plot, table
-from leanddp.bench._worker import CONFIGS, DEVICE_ACCUMULATION, DTYPES, SHARDED, SHARDED_OFFLOAD
+from leanddp.bench._worker import (
+    CONFIGS,
+    DEVICE_ACCUMULATION,
+    DTYPES,
+    LOWBIT_CONFIGS,
+    SHARDED,
+    SHARDED_OFFLOAD,
+)
 
 DEFAULT_CONFIGS = [
     "torch DDP",
@@ -65,6 +72,12 @@ def parser() -> argparse.ArgumentParser:
         default=DEFAULT_CONFIGS,
         metavar="NAME",
         help=f"configurations to run, of {list(CONFIGS)} (default: all but torch DDP + views)",
+    )
+    p.add_argument(
+        "--lowbit",
+        action="store_true",
+        help=f"also run {LOWBIT_CONFIGS} (torchao's AdamW8bit: the lowbit extra); the 8-bit "
+        "configurations' step time is measured against torch's DDP + AdamW8bit",
     )
     p.add_argument(
         "--world-sizes",
@@ -124,6 +137,12 @@ def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
             p.error(f"--accum {a} must divide the batch of {size.batch} sequences")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but torch sees no GPU")
+    if args.lowbit:
+        try:
+            import torchao.optim  # noqa: F401  (the 8-bit configurations' optimizer)
+        except ImportError:
+            p.error("--lowbit needs torchao: pip install 'leanddp[lowbit]'")
+        args.configs = [*args.configs, *(n for n in LOWBIT_CONFIGS if n not in args.configs)]
     for n in args.world_sizes or []:
         if n < 1:
             p.error(f"--world-sizes: every world size must be at least 1, got {n}")

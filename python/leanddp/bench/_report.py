@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 #: the strict bound (1e-5, several steps).
 LOSS_TOLERANCE = 1e-2
 ANCHOR = "torch DDP"
+#: the 8-bit configurations' anchor, and what names an 8-bit configuration (_worker's names)
+LOWBIT_ANCHOR = "torch DDP + AdamW8bit"
+LOWBIT_MARKS = ("AdamW8bit", "8-bit")
 #: shard_optimizer_state's configuration and the unsharded in-backward one it is compared with
 #: (names of _worker.CONFIGS, repeated here so that the report needs no torch)
 SHARDED = "leanddp in-backward sharded"
@@ -66,7 +69,7 @@ def device_bytes_per_param(run: dict[str, Any], params: int) -> float:
 def versus_torch(run: dict[str, Any]) -> str:
     """The run's step time against torch's DDP measured interleaved in its processes (the
     anchor itself: 1), as a table cell."""
-    if run["config"] == ANCHOR:
+    if run["config"] in (ANCHOR, LOWBIT_ANCHOR):
         return "1.000"
     versus = run.get("interleaved")
     return f"{versus['ratio']:.3f}" if versus else "—"
@@ -122,22 +125,30 @@ def counterpart(
     return None
 
 
+def lowbit(run: dict[str, Any]) -> bool:
+    """Whether the run trains with torchao's AdamW8bit (8-bit state)."""
+    return any(mark in run["config"] for mark in LOWBIT_MARKS)
+
+
 def losses_agree(runs: list[dict[str, Any]]) -> tuple[list[str], bool]:
     """One line per world size on whether the final losses agree (runs at different world
     sizes train on different global batches: they are compared within a world size)."""
-    groups: dict[int, list[dict[str, Any]]] = {}
+    groups: dict[tuple[int, bool], list[dict[str, Any]]] = {}
     for r in runs:
-        groups.setdefault(r["world_size"], []).append(r)
+        groups.setdefault((r["world_size"], lowbit(r)), []).append(r)
+    worlds = {world for world, _ in groups}
     lines, agree = [], True
-    for world, group in groups.items():
+    for (world, low), group in groups.items():
         ref = group[0]
         final = ref["losses"][-1]
         spread = max(abs(r["losses"][-1] - final) for r in group) / abs(final)
         ok = spread <= LOSS_TOLERANCE
         agree = agree and ok
-        where = f" at world size {world}" if len(groups) > 1 else ""
+        where = f" at world size {world}" if len(worlds) > 1 else ""
+        which = " 8-bit (AdamW8bit)" if low else (" AdamW" if len(groups) > len(worlds) else "")
         lines.append(
-            f"- final losses {'agree' if ok else 'DIFFER'} across all {len(group)} runs{where}: "
+            f"- final losses {'agree' if ok else 'DIFFER'} across all {len(group)}{which} runs"
+            f"{where}: "
             f"the largest difference from {ref['config']} (accumulation {ref['accum']}) is "
             f"{spread:.1e} relative (tolerance {LOSS_TOLERANCE:.0e}); every run"
             f"{where and ' there'} takes the same global batch per step."
@@ -160,8 +171,9 @@ def main_table(report: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
         f"world size {first['world_size']}, bucket_cap_mb={args['bucket_cap_mb']}, "
         f"{args['steps']} timed steps after {args['warmup']} (step time: median, and the "
         "fastest–slowest step); vs torch DDP: the median step against torch's DDP + "
-        "AdamW(fused=True) on the same model and data, alternating step by step in the same "
-        "processes (host steps and device work included in both); memory of rank 0, in MiB; "
+        "AdamW(fused=True) on the same model and data (8-bit rows: + torchao's AdamW8bit), "
+        "alternating step by step in the same processes (host steps and device work included "
+        "in both); memory of rank 0, in MiB; "
         "bytes per parameter on the device = (parameters + gradients + buckets + optimizer "
         "state) / parameter count",
         "",

@@ -48,6 +48,8 @@ class Config(NamedTuple):
     """``shard_optimizer_state``: each rank steps, and keeps AdamW state for, 1/N of a bucket."""
     on_host: bool = True
     """offload_to_cpu: ``accumulate_on_host`` (no_sync() micro-batches summed on the host)."""
+    lowbit: bool = False
+    """torchao's ``AdamW8bit`` (8-bit state) instead of ``AdamW(fused=True)``."""
 
 
 #: The in-backward configuration with shard_optimizer_state.
@@ -56,6 +58,14 @@ SHARDED = "leanddp in-backward sharded"
 SHARDED_OFFLOAD = "leanddp offload sharded"
 #: offload_to_cpu with accumulate_on_host=False: no_sync() keeps the gradients on the device.
 DEVICE_ACCUMULATION = "leanddp + offload_to_cpu, accumulating on the device"
+#: torch's DDP + torchao's AdamW8bit: the 8-bit configurations' anchor (what a user runs today)
+LOWBIT_ANCHOR = "torch DDP + AdamW8bit"
+#: The 8-bit configurations (``--lowbit``), their anchor first.
+LOWBIT_CONFIGS = [
+    LOWBIT_ANCHOR,
+    "leanddp in-backward 8-bit",
+    "leanddp offload 8-bit",
+]
 CONFIGS = {
     "torch DDP": Config("torch", False, False, False),
     "torch DDP + views": Config("torch", True, False, False),
@@ -65,7 +75,18 @@ CONFIGS = {
     SHARDED: Config("leanddp", True, True, False, shard=True),
     SHARDED_OFFLOAD: Config("leanddp", True, True, True, shard=True),
     DEVICE_ACCUMULATION: Config("leanddp", True, True, True, on_host=False),
+    LOWBIT_CONFIGS[0]: Config("torch", False, False, False, lowbit=True),
+    LOWBIT_CONFIGS[1]: Config("leanddp", True, True, False, lowbit=True),
+    LOWBIT_CONFIGS[2]: Config("leanddp", True, True, True, lowbit=True),
 }
+
+
+def anchor_of(name: str) -> str:
+    """The configuration ``name``'s step time is measured against, interleaved: torch's DDP
+    with the same optimizer."""
+    return LOWBIT_ANCHOR if CONFIGS[name].lowbit else "torch DDP"
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -81,8 +102,14 @@ def build(
     name: str, model: nn.Module, args: argparse.Namespace, device: torch.device
 ) -> tuple[Wrapped, torch.optim.Optimizer | None]:
     """The wrapped model and the optimizer the loop steps (None: stepped inside backward)."""
-    wrapper, views, in_backward, offload, shard, on_host = CONFIGS[name]
-    adamw = functools.partial(torch.optim.AdamW, lr=args.lr, fused=True)
+    wrapper, views, in_backward, offload, shard, on_host, lowbit = CONFIGS[name]
+    adamw: Callable[..., torch.optim.Optimizer]
+    if lowbit:
+        from torchao.optim import AdamW8bit
+
+        adamw = functools.partial(AdamW8bit, lr=args.lr)
+    else:
+        adamw = functools.partial(torch.optim.AdamW, lr=args.lr, fused=True)
     kw = dict(bucket_cap_mb=args.bucket_cap_mb)
     if device.type == "cuda":
         kw["device_ids"] = [device.index]
@@ -134,7 +161,7 @@ def measure(
     name: str, ddp: Wrapped, opt: torch.optim.Optimizer | None, batch: torch.Tensor, accum: int
 ) -> dict[str, int]:
     """One more step that measures gradients, buckets and optimizer state (bytes, rank 0)."""
-    wrapper, _, in_backward, offload, _, _ = CONFIGS[name]
+    wrapper, _, in_backward, offload, *_ = CONFIGS[name]
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     out = {"parameters": storage_bytes(params), "host": 0}
     if wrapper == "torch":
@@ -210,13 +237,15 @@ def interleaved(
     data: list[torch.Tensor],
     device: torch.device,
 ) -> dict[str, Any]:
-    """This configuration's steps alternating with torch's DDP + AdamW(fused=True) on the same
-    model and data, in the same processes (one step of each per round, which goes first
-    alternating), so both see the same machine at the same moments: the step time ratio
-    against torch's DDP, free of the drift between separate launches."""
+    """This configuration's steps alternating with its anchor's (torch's DDP + the same
+    optimizer: AdamW(fused=True), or torchao's AdamW8bit) on the same model and data, in the
+    same processes (one step of each per round, which goes first alternating), so both see the
+    same machine at the same moments: the step time ratio against torch's DDP, free of the
+    drift between separate launches."""
     torch.manual_seed(0)
     model = TinyGPT(SIZES[args.model]).to(device=device, dtype=DTYPES[args.dtype])
-    ref, ref_opt = build("torch DDP", model, args, device)
+    anchor = anchor_of(args.config)
+    ref, ref_opt = build(anchor, model, args, device)
     contenders = [(ddp, opt), (ref, ref_opt)]
     times: list[list[float]] = [[], []]
     for i in range(1 + args.steps):  # round 0 warms torch's side up, untimed
@@ -226,9 +255,9 @@ def interleaved(
             if i > 0:
                 times[k].append(seconds)
         if (i + 1) % max(1, (1 + args.steps) // 2) == 0:
-            log(f"interleaved with torch DDP: round {i + 1}/{1 + args.steps}")
+            log(f"interleaved with {anchor}: round {i + 1}/{1 + args.steps}")
     ours, torch_ddp = (statistics.median(t) for t in times)
-    return dict(ours=times[0], torch=times[1], ratio=ours / torch_ddp)
+    return dict(ours=times[0], torch=times[1], ratio=ours / torch_ddp, anchor=anchor)
 
 
 def host_overlap(

@@ -197,7 +197,8 @@ class InBackward:
         options.max_grad_norm = self.max_grad_norm if self.offload else None
         if self.kind == _C.OptimKind.adam8bit:
             options.block_size = self.view.block
-            options.qmaps = _lowbit.qmaps(self.device)
+            # (on the host with offload_to_cpu, where the state lives and is stepped)
+            options.qmaps = _lowbit.qmaps(torch.device("cpu") if self.offload else self.device)
         core = _C.InBackwardOptimizer(self.params, list(names), group, options, self.fallback)
         reducer.set_optimizer(core)
         self._core = weakref.ref(core)

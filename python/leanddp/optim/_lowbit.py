@@ -53,8 +53,10 @@ def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
     words, or None."""
     if any(group.get("amsgrad") for group in optimizer.param_groups):
         return "amsgrad"
-    if getattr(optimizer, "bf16_stochastic_round", False):
-        return "bf16_stochastic_round"
+    # (torchao rounds stochastically only where it steps bfloat16 parameters)
+    bf16 = any(p.dtype == torch.bfloat16 for g in optimizer.param_groups for p in g["params"])
+    if bf16 and getattr(optimizer, "bf16_stochastic_round", False):
+        return "bf16_stochastic_round (with bfloat16 parameters)"
     block = getattr(optimizer, "block_size", None)
     if not isinstance(block, int) or not 0 < block <= MAX_BLOCK:
         return f"block_size={block!r} (the kernels take blocks of 1 to {MAX_BLOCK} elements)"
@@ -89,19 +91,28 @@ def is_8bit_state(value: Any) -> bool:
     return "torchao" in sys.modules and isinstance(value, _state_class())
 
 
+def stepped_dtype(spec: _C.StateSpec, param: Tensor) -> torch.dtype:
+    """The dtype of the weights the state of ``param`` (of ``spec``) steps, torchao's
+    ``OptimState8bit.dtype``: float32 on the host (offload_to_cpu steps float32 masters),
+    else the parameter's."""
+    return torch.float32 if spec.master else param.dtype
+
+
 def to_torchao(
-    entries: Sequence[tuple[str, Tensor]], param: Tensor, maps: tuple[Tensor, Tensor]
+    entries: Sequence[tuple[str, Tensor]], spec: _C.StateSpec, param: Tensor
 ) -> dict[str, Any]:
-    """The fused optimizer's entries of one parameter (``_C.InBackwardOptimizer.state``: codes
+    """The fused optimizer's entries of ``param`` (``_C.InBackwardOptimizer.state``: codes
     followed by ``<key>.scale`` where quantized) as torchao's state entry: ``OptimState8bit``
-    over the codes and scales, which stay views of leanddp's buffers."""
+    over the codes and scales, which stay views of leanddp's buffers, with the maps of the
+    device the state lives on."""
     entry = dict(entries)
-    cls = None
+    if not spec.quantized:
+        return entry
+    maps = qmaps(spec.device)
+    cls = _state_class()
     for key, m in (("exp_avg", maps[0]), ("exp_avg_sq", maps[1])):
-        scale = entry.pop(f"{key}.scale", None)
-        if scale is not None:
-            cls = cls or _state_class()
-            entry[key] = cls(entry[key], scale, m, key == "exp_avg", dtype=param.dtype)
+        scale = entry.pop(f"{key}.scale")
+        entry[key] = cls(entry[key], scale, m, key == "exp_avg", dtype=stepped_dtype(spec, param))
     return entry
 
 
@@ -117,8 +128,9 @@ def load_values(spec: _C.StateSpec, values: Sequence[Any], param: Tensor) -> lis
     for value, signed in zip(values, (True, False), strict=True):
         if not (is_8bit_state(value) and value.block_size == spec.block and value.signed == signed):
             float_value = value.dequantize() if is_8bit_state(value) else value
-            value = cls.zeros(param.shape, signed, spec.block, param.device, dtype=param.dtype)
-            value.copy_(float_value.to(param.device))  # torchao's quantizer
+            dtype = stepped_dtype(spec, param)
+            value = cls.zeros(param.shape, signed, spec.block, spec.device, dtype=dtype)
+            value.copy_(float_value.to(spec.device))  # torchao's quantizer
         codes.append(value.codes)
         scales.append(value.scale)
     return [*codes, *scales]

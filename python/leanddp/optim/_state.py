@@ -99,7 +99,7 @@ class StateView:
                 entries = core.state(i)
                 if entries:
                     entry = (
-                        _lowbit.to_torchao(entries, p, _lowbit.qmaps(p.device))
+                        _lowbit.to_torchao(entries, self.spec(i), p)
                         if self.kind == _C.OptimKind.adam8bit
                         else dict(entries)
                     )
