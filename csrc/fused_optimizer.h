@@ -17,7 +17,8 @@
 //
 // With offload_to_cpu (`on_host`) the same code steps the fp32 master weights in host memory:
 // the state lives in ordinary host memory (it never crosses PCIe), float32 whatever
-// the parameters' dtype, and the caller says what is stepped (StepTargets).
+// the parameters' dtype (kAdam8bit: 8-bit codes and scales, float32 plain moments), and the
+// caller says what is stepped (StepTargets).
 //
 // Not thread-safe: one thread at a time (InBackwardOptimizer with its lock held, or the host
 // worker running HostOffload's steps while the optimizer waits for it before touching this).
@@ -45,7 +46,8 @@ constexpr int64_t kMinQuantized8 = 4096;
 constexpr size_t kBuffers8 = 6;
 
 // torchao's 8-bit state settings (kAdam8bit): the optimizer's block size and its two maps (256
-// float32 entries each, on the parameters' device), shared by every parameter's state.
+// float32 entries each, where the state lives: the parameters' device, or the host with
+// offload_to_cpu), shared by every parameter's state.
 struct Quant8 {
   int64_t block = 0;
   at::Tensor qmap_signed;

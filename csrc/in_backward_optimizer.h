@@ -63,7 +63,8 @@ struct InBackwardOptions {
   // Exact global-norm clipping by the host steps (offload_to_cpu); sharded on the device the
   // Reducer computes the coefficient and hands it to take().
   std::optional<double> max_grad_norm;
-  // kAdam8bit: torchao's block size and maps (on the parameters' device).
+  // kAdam8bit: torchao's block size and maps (where the state lives: the parameters' device,
+  // or the host with offload_to_cpu).
   Quant8 quant;
 };
 

@@ -17,7 +17,11 @@ Categories, per rank (the bench measures the same ones):
   their step inside backward (``optimizer_in_backward`` without accumulation): then the buckets
   in flight, at most ``in_flight_buckets()`` of the largest.
 - ``optimizer_state``: optimizer state on the device (the moments, in the parameters' dtype, and
-  torch's step counters); 1/N of it with ``shard_optimizer_state``.
+  torch's step counters); 1/N of it with ``shard_optimizer_state``. torchao's 8-bit AdamW
+  (``adamw8bit``) keeps one byte per moment element plus a float32 scale per block of 256
+  (``LOWBIT_BYTES`` per element for both moments), except for the tensors it keeps plain
+  (``Shape.plain8``: fewer than 4096 elements, or not a multiple of the block), whose moments
+  are in the parameters' dtype (float32 on the host).
 - ``host_state``, ``host_masters``, ``host_staging``: with ``offload_to_cpu``, the float32
   moments, the float32 master weights and the staging buffers in host memory (for float32
   parameters the copy-back staging buffer is the master itself).
@@ -48,6 +52,17 @@ HOST_STATE_BYTES = 4
 MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1, "sgd-no-momentum": 0}
 #: torch's Adam/AdamW keep a float32 step counter per parameter tensor.
 STEP_COUNTER_BYTES = {"adamw": 4, "adam": 4, "sgd": 0, "sgd-no-momentum": 0}
+#: torchao's 8-bit AdamW (optimizer_in_backward with torchao.optim.AdamW8bit): its moments
+#: are 8-bit codes with a float32 scale per block of QUANT_BLOCK elements, in tensors of at
+#: least QUANT_MIN elements and a multiple of the block.
+MOMENTS["adamw8bit"] = 2
+STEP_COUNTER_BYTES["adamw8bit"] = 4  # (float32 tensors on the CPU, as torchao keeps them)
+LOWBIT = ("adamw8bit",)
+QUANT_BLOCK = 256
+QUANT_MIN = 4096
+#: Bytes per element of an 8-bit tensor's two moments: a code each, and their blocks' scales
+#: (torchao's two 256-entry maps, 2 KiB, are left out).
+LOWBIT_BYTES = 2 * (1 + 4 / QUANT_BLOCK)
 
 DEVICE_CATEGORIES = ("parameters", "gradients", "buckets", "optimizer_state")
 HOST_CATEGORIES = ("host_state", "host_masters", "host_staging", "host_accumulation")
@@ -106,14 +121,25 @@ class Shape:
     """The communication buckets, as (bytes, how many buckets of that size). None given: the
     per-parameter view of a model whose buckets are negligible beside it (all of them hold its
     gradients; none is in flight; no padding)."""
+    plain8: int = 0
+    """Elements of the tensors torchao's 8-bit optimizers keep plain (fewer than QUANT_MIN
+    elements, or not a multiple of QUANT_BLOCK); the others' moments are 8-bit."""
 
     @classmethod
-    def of(cls, numel: int, element_size: int, tensors: int, buckets: Sequence[int]) -> Shape:
+    def of(
+        cls,
+        numel: int,
+        element_size: int,
+        tensors: int,
+        buckets: Sequence[int],
+        plain8: int = 0,
+    ) -> Shape:
         """A shape whose buckets have the sizes ``buckets`` (bytes, one per bucket)."""
         counts: dict[int, int] = {}
         for b in buckets:
             counts[b] = counts.get(b, 0) + 1
-        return cls(numel, element_size, tensors, tuple(sorted(counts.items(), reverse=True)))
+        sizes = tuple(sorted(counts.items(), reverse=True))
+        return cls(numel, element_size, tensors, sizes, plain8)
 
     def bucket_sizes(self) -> list[int]:
         """Every bucket's bytes, largest first."""
@@ -141,8 +167,11 @@ class Shape:
         return cls(numel, element_size, tensors, buckets)
 
     def scaled(self, numel: int) -> Shape:
-        """The same shape with ``numel`` elements: as many tensors, buckets of its largest size."""
-        return Shape.filled(numel, self.element_size, self.tensors, self.largest_bucket)
+        """The same shape with ``numel`` elements: as many tensors, buckets of its largest size,
+        the same share of plain 8-bit elements."""
+        shape = Shape.filled(numel, self.element_size, self.tensors, self.largest_bucket)
+        plain8 = self.plain8 * numel // self.numel if self.numel else 0
+        return dataclasses.replace(shape, plain8=plain8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,12 +193,29 @@ class Estimate:
         return sum(self.bytes[c] for c in HOST_CATEGORIES)
 
 
+#: The bench's 8-bit configurations (``python -m leanddp.bench --lowbit``, torchao's AdamW8bit),
+#: each with the configuration of MODES it runs as; the first is their anchor (torch's DDP).
+LOWBIT_CONFIGS = {
+    "torch DDP + AdamW8bit": "torch DDP",
+    "leanddp in-backward 8-bit": "leanddp + optimizer_in_backward",
+    "leanddp offload 8-bit": "leanddp + offload_to_cpu",
+}
+
+
 def mode(name: str) -> Mode:
     """The configuration of that name (a name of MODES)."""
     for m in MODES:
         if m.name == name:
             return m
     raise ValueError(f"unknown configuration {name!r}; choose from {[m.name for m in MODES]}")
+
+
+def mode_and_optimizer(config: str) -> tuple[Mode, str]:
+    """A bench configuration's mode and optimizer (a key of MOMENTS): an 8-bit one's
+    (LOWBIT_CONFIGS) with ``adamw8bit``, any other with ``adamw``."""
+    if config in LOWBIT_CONFIGS:
+        return mode(LOWBIT_CONFIGS[config]), "adamw8bit"
+    return mode(config), "adamw"
 
 
 def in_flight_buckets(mode: Mode, device_ordered: bool) -> int:
@@ -194,6 +240,8 @@ def estimate(
     clipping (``max_grad_norm``), on a GPU (``device_ordered``) or the CPU."""
     if optimizer not in MOMENTS:
         raise ValueError(f"optimizer must be one of {sorted(MOMENTS)}, got {optimizer!r}")
+    if optimizer in LOWBIT and mode.shard:
+        raise ValueError(f"{mode.name}: shard_optimizer_state does not shard 8-bit state")
     if world_size < 1 or accumulation < 1:
         raise ValueError(
             f"world_size and accumulation must be at least 1, got {world_size} and {accumulation}"
@@ -233,8 +281,14 @@ def estimate(
         if mode.shard
         else shape.numel
     )
+    if optimizer in LOWBIT:  # (never sharded) the 8-bit moments, the plain ones in their dtype
+        quantized = shape.numel - shape.plain8
+        plain = shape.plain8 * moments * (HOST_STATE_BYTES if mode.offload else p)
+        state = quantized * LOWBIT_BYTES + plain
+    else:
+        state = moments * (HOST_STATE_BYTES if mode.offload else p) * stepped
     if mode.offload:
-        out["host_state"] = moments * HOST_STATE_BYTES * stepped
+        out["host_state"] = state
         out["host_masters"] = HOST_STATE_BYTES * stepped
         # the gradients' staging buffer; bfloat16/float16 add the rounded weights' (float32
         # weights are copied back from the masters themselves)
@@ -243,7 +297,7 @@ def estimate(
             # buffer its copy lands in (not padded: a bucket is cut into shards when reduced)
             out["host_accumulation"] = (1 if accumulation == 2 else 2) * shape.numel * p
     else:
-        out["optimizer_state"] = moments * p * stepped + (0 if mode.in_backward else counters)
+        out["optimizer_state"] = state + (0 if mode.in_backward else counters)
     return Estimate(mode, out, transient)
 
 

@@ -71,7 +71,12 @@ def shape_of(
     groups = _C.assign_buckets(params, order, caps)
     buckets = [sum(params[i].numel() * params[i].element_size() for i in g) for g in groups]
     numel = sum(p.numel() for p in params)
-    return _memory.Shape.of(numel, max(sizes), len(params), buckets)
+    plain8 = sum(
+        p.numel()
+        for p in params
+        if p.numel() < _memory.QUANT_MIN or p.numel() % _memory.QUANT_BLOCK
+    )
+    return _memory.Shape.of(numel, max(sizes), len(params), buckets, plain8)
 
 
 @dataclasses.dataclass
@@ -216,7 +221,10 @@ def plan(
         reserve_gb=reserve_gb,
     )
     estimates, fits, largest = [], {}, {}
-    for name in configs or list(modes):
+    # (8-bit state is not sharded: the sharded configurations are left out unless asked for,
+    # which the memory model refuses)
+    default = [n for n in modes if not (optimizer in _memory.LOWBIT and modes[n].shard)]
+    for name in configs or default:
         of = _estimator(modes[name], optimizer, world_size, accumulation, clip, device == "cuda")
         layout = shapes[modes[name].keeps_first_layout]
         e = of(layout)

@@ -420,3 +420,40 @@ def _nan_check(rank: int, world_size: int) -> None:
 
 def test_nan_check_skips_the_flagged_buckets() -> None:
     run_ranks(2, _nan_check)
+
+
+class _WithUnused(Quantizable):
+    """Quantizable and a 64 x 64 weight (8-bit state) that the forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.bfloat16)
+        self.unused = torch.nn.Linear(64, 64, bias=False, dtype=torch.bfloat16)
+
+
+def _master_without_state(rank: int, world_size: int) -> None:
+    """offload_to_cpu with bfloat16 parameters keeps a float32 master for a parameter that has
+    no 8-bit state yet (never used, or its state reset): optimizer.state holds the master
+    alone, and training and state_dict() go on."""
+    torch.manual_seed(0)
+    ddp = leanddp.DistributedDataParallel(
+        _WithUnused(),
+        optimizer_in_backward=ADAMW8,
+        offload_to_cpu=True,
+        find_unused_parameters=True,
+    )
+    x = torch.randn(BATCH, Quantizable.IN)
+    for _ in range(2):
+        ddp(x).square().mean().backward()
+    unused = ddp.module.unused.weight
+    assert list(ddp.optimizer.state[unused]) == ["master_weight"]
+    up = ddp.module.up.weight
+    ddp.optimizer.state[up] = {}  # start over: the moments reset, the master stays
+    ddp(x).square().mean().backward()
+    ddp.synchronize()
+    assert float(ddp.optimizer.state[up]["step"]) == 1.0
+    saved = ddp.optimizer.state_dict()
+    assert len(saved["state"]) == 5
+
+
+def test_offload_master_without_state() -> None:
+    run_ranks(2, _master_without_state)

@@ -36,10 +36,15 @@ def assert_planned(report: dict) -> None:
         model = TinyGPT(SIZES[report["args"]["model"]])
     cap = float(report["args"]["bucket_cap_mb"])
     for r in report["runs"]:
-        mode = _memory.mode(r["config"])
+        mode, optimizer = _memory.mode_and_optimizer(r["config"])
         shape = plan.shape_of(model, bucket_cap_mb=cap, first_layout=mode.keeps_first_layout)
         e = _memory.estimate(
-            mode, shape, world_size=r["world_size"], accumulation=r["accum"], device_ordered=False
+            mode,
+            shape,
+            optimizer=optimizer,
+            world_size=r["world_size"],
+            accumulation=r["accum"],
+            device_ordered=False,
         )
         m = r["memory"]
         allowance = _memory.BUCKETS_IN_FLIGHT * m.get("largest_bucket", shape.largest_bucket)
@@ -234,6 +239,26 @@ def test_bench_without_accumulation_frees_gradients_in_backward(tmp_path: Path) 
     # torch's DDP was not a configuration: the ratio comes from the steps interleaved with it
     ratio = report["runs"][0]["interleaved"]["ratio"]
     assert ratio > 0 and f"| {ratio:.3f} |" in done.stdout
+
+
+def test_bench_8bit_holds_what_the_planner_says(tmp_path: Path) -> None:
+    """--lowbit: torchao's AdamW8bit under torch's DDP, in-backward and offloaded; each holds the
+    memory model's bytes (8-bit codes and scales, plain moments for small tensors), and the
+    8-bit runs' step time is measured against torch's DDP + AdamW8bit."""
+    pytest.importorskip("torchao.optim")
+    done = bench(
+        "--steps", "1", "--warmup", "1", "--host-steps", "2", "--accum", "1", "--lowbit",
+        "--configs", "torch DDP", "--out", str(tmp_path), "--world-sizes", "2",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    names = [r["config"] for r in report["runs"]]
+    assert names == ["torch DDP", *_memory.LOWBIT_CONFIGS], names
+    assert_planned(report)
+    for r in report["runs"][2:]:
+        assert r["interleaved"]["anchor"] == "torch DDP + AdamW8bit", r["config"]
+    fp32, lowbit = report["runs"][0]["memory"], report["runs"][1]["memory"]
+    assert lowbit["optimizer_device"] < fp32["optimizer_device"] / 3
 
 
 def test_bench_rejects_bad_arguments_before_launching(capsys: pytest.CaptureFixture) -> None:

@@ -49,6 +49,45 @@ def doc_table(header: str = "| configuration |") -> list[list[str]]:
     return rows
 
 
+#: docs/memory.md's 8-bit table rows, in order, and the configuration each describes
+LOWBIT_ROWS = [
+    ("torch's DDP + `AdamW8bit`", "torch DDP"),
+    ("+ `optimizer_in_backward`", "leanddp + optimizer_in_backward"),
+    ("+ `offload_to_cpu`", "leanddp + offload_to_cpu"),
+]
+
+
+def test_docs_8bit_table_is_the_memory_model() -> None:
+    """docs/memory.md's 8-bit table: bytes per parameter of torchao's AdamW8bit state for
+    float32 and bfloat16 parameters (device) and on the host, as the memory model has them."""
+    rows = doc_table("| configuration, 8-bit state |")
+    assert [r[0] for r in rows] == [name for name, _ in LOWBIT_ROWS]
+
+    def figure(cell: str) -> float:
+        return float(re.search(r"([\d.]+) B", cell).group(1))
+
+    for row, (_, name) in zip(rows, LOWBIT_ROWS, strict=True):
+        fp32, bf16 = (_memory.per_parameter(MODES[name], e, "adamw8bit") for e in (4, 2))
+        assert figure(row[1]) == round(fp32[0], 2), name
+        assert figure(row[2]) == round(bf16[0], 2), name
+        host = "—" if fp32[1] == 0 else f"{fp32[1]:.2f} B"
+        assert row[3] == host or row[3].startswith(f"**{host}**"), (name, row[3])
+        assert fp32[1] == bf16[1], name
+    with pytest.raises(ValueError, match="does not shard 8-bit"):
+        _memory.per_parameter(MODES["leanddp in-backward sharded"], 4, "adamw8bit")
+
+
+def test_plan_counts_the_tensors_torchao_keeps_plain() -> None:
+    """The planner's 8-bit state: 8-bit codes and scales for the tensors of at least 4096
+    elements and a multiple of 256, plain moments for the others (mlp: its 16384- and
+    32768-element weights are 8-bit, its biases and its 1024-element weight plain)."""
+    shape = plan.shape_of(mlp())
+    assert shape.plain8 == 256 + 128 + 128 * 8 + 8
+    e = _memory.estimate(MODES["leanddp + optimizer_in_backward"], shape, optimizer="adamw8bit")
+    quantized = 64 * 256 + 256 * 128
+    assert e.bytes["optimizer_state"] == quantized * 2 * (1 + 4 / 256) + shape.plain8 * 8
+
+
 def test_docs_memory_table_is_the_memory_model() -> None:
     """Every "on the device" and "on the host" figure of docs/memory.md's table (fp32 AdamW)
     is the model's bytes per parameter, at several world sizes for the sharded rows."""

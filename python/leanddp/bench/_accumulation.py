@@ -52,7 +52,7 @@ def lines(
         )
         summed = r["memory"].get("host_accumulation", 0)
         if summed:
-            mode = _memory.mode(r["config"])
+            mode, _ = _memory.mode_and_optimizer(r["config"])
             shape = _memory.Shape(params, size, 0)
             traffic = _memory.pcie_bytes(mode, shape, r["world_size"], r["accum"])
             line += (

@@ -239,10 +239,10 @@ def main(argv: list[str] | None = None) -> None:
         "params": params,
         "runs": results,
     }
+    (args.out / "bench.json").write_text(json.dumps(report, indent=2))  # (first: what was run)
     text, agree = table(report)
     print(text)
     (args.out / "bench.md").write_text(text + "\n")
-    (args.out / "bench.json").write_text(json.dumps(report, indent=2))
     if plot(report, args.out / "bench.png"):
         print(f"[leanddp.bench] wrote {args.out / 'bench.png'}", file=sys.stderr)
     print(

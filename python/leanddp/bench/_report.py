@@ -20,9 +20,8 @@ if TYPE_CHECKING:
 #: the strict bound (1e-5, several steps).
 LOSS_TOLERANCE = 1e-2
 ANCHOR = "torch DDP"
-#: the 8-bit configurations' anchor, and what names an 8-bit configuration (_worker's names)
-LOWBIT_ANCHOR = "torch DDP + AdamW8bit"
-LOWBIT_MARKS = ("AdamW8bit", "8-bit")
+#: the 8-bit configurations' anchor (torch's DDP + torchao's AdamW8bit)
+LOWBIT_ANCHOR = next(iter(_memory.LOWBIT_CONFIGS))
 #: shard_optimizer_state's configuration and the unsharded in-backward one it is compared with
 #: (names of _worker.CONFIGS, repeated here so that the report needs no torch)
 SHARDED = "leanddp in-backward sharded"
@@ -127,7 +126,7 @@ def counterpart(
 
 def lowbit(run: dict[str, Any]) -> bool:
     """Whether the run trains with torchao's AdamW8bit (8-bit state)."""
-    return any(mark in run["config"] for mark in LOWBIT_MARKS)
+    return run["config"] in _memory.LOWBIT_CONFIGS
 
 
 def losses_agree(runs: list[dict[str, Any]]) -> tuple[list[str], bool]:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import leanddp
+from leanddp import _memory
 from leanddp._lifetime import leave
 from leanddp._stats import storage_bytes
 from leanddp.bench._model import SIZES, TinyGPT, batches, loss_of
@@ -58,14 +59,10 @@ SHARDED = "leanddp in-backward sharded"
 SHARDED_OFFLOAD = "leanddp offload sharded"
 #: offload_to_cpu with accumulate_on_host=False: no_sync() keeps the gradients on the device.
 DEVICE_ACCUMULATION = "leanddp + offload_to_cpu, accumulating on the device"
-#: torch's DDP + torchao's AdamW8bit: the 8-bit configurations' anchor (what a user runs today)
-LOWBIT_ANCHOR = "torch DDP + AdamW8bit"
-#: The 8-bit configurations (``--lowbit``), their anchor first.
-LOWBIT_CONFIGS = [
-    LOWBIT_ANCHOR,
-    "leanddp in-backward 8-bit",
-    "leanddp offload 8-bit",
-]
+#: The 8-bit configurations (``--lowbit``, torchao's AdamW8bit; the memory model's names), their
+#: anchor first: torch's DDP + AdamW8bit, what a user runs today.
+LOWBIT_CONFIGS = list(_memory.LOWBIT_CONFIGS)
+LOWBIT_ANCHOR = LOWBIT_CONFIGS[0]
 CONFIGS = {
     "torch DDP": Config("torch", False, False, False),
     "torch DDP + views": Config("torch", True, False, False),

@@ -106,7 +106,7 @@ def to_torchao(
     over the codes and scales, which stay views of leanddp's buffers, with the maps of the
     device the state lives on."""
     entry = dict(entries)
-    if not spec.quantized:
+    if not spec.quantized or "exp_avg.scale" not in entry:  # (no state yet: a master at most)
         return entry
     maps = qmaps(spec.device)
     cls = _state_class()
