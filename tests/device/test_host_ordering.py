@@ -74,6 +74,40 @@ def test_in_backward_and_offload_take_the_device_branches() -> None:
     run_ranks(2, _in_backward)
 
 
+def _lowbit(rank: int, world_size: int) -> None:
+    """torchao's AdamW8bit stepped by leanddp's 8-bit kernels, in-backward and offloaded, tiny
+    buckets and accumulation: equal to torch's DDP + AdamW8bit bit for bit (parameters, codes,
+    scales), through the side stream and offload's copy events."""
+    from lowbit_models import Quantizable, assert_torchao_state_equal
+    from torchao.optim import AdamW8bit
+
+    factory = functools.partial(AdamW8bit, lr=1e-2, weight_decay=0.1)
+    for offload in (False, True):
+        what = f"host-ordered 8-bit offload={offload}"
+        before = _C._testing.host_ordering_counts()
+        torch.manual_seed(0)
+        run = host_ordered(
+            lambda offload=offload: InBackwardLockStep(
+                Quantizable(), factory, offload=offload, bucket_cap_mb=0.02, fused_reference=False
+            )
+        )
+        for step in range(STEPS):
+            run.step([torch.randn(6, Quantizable.IN) for _ in range(2)])
+            for name, a, b in run.pairs():
+                assert torch.equal(a, b), f"{what} step {step} {name}"
+        pairs = zip(run.ref.module.parameters(), run.ours.module.parameters(), strict=True)
+        for p_ref, p_ours in pairs:
+            ours, ref = run.ours.optimizer.state[p_ours], run.ref_opt.state[p_ref]
+            assert_torchao_state_equal(ours, ref, f"{what} {tuple(p_ours.shape)}")
+        assert run.ours._in_backward.fallback.calls == 0, what
+        counts_moved(before, what, "streams", "records", "blocks", "synchronizes")
+
+
+def test_8bit_state_takes_the_device_branches() -> None:
+    pytest.importorskip("torchao.optim")
+    run_ranks(2, _lowbit)
+
+
 def _window_carried(rank: int, world_size: int) -> None:
     """Steps still queued on the side stream when a backward ends count against the next
     backward's window (a host that runs ahead must finish them before another launch)."""
