@@ -78,8 +78,8 @@ def build_optimizer(
 #: What the fused kernels step, in words (the errors that refuse another optimizer).
 FUSED_WORDS = (
     "torch.optim.SGD, Adam and AdamW (without amsgrad or differentiable) and torchao's AdamW8bit "
-    f"and Adam8bit (without amsgrad or bf16_stochastic_round, block_size at most "
-    f"{_lowbit.MAX_BLOCK})"
+    "and Adam8bit (without amsgrad, without bf16_stochastic_round on bfloat16 parameters, "
+    f"block_size at most {_lowbit.MAX_BLOCK})"
 )
 
 
