@@ -4,7 +4,9 @@
 // layout functions and, in leanddp._C._testing, the test seams.
 #include "bindings.h"
 #include "bucket.h"
+#include "fused_optimizer.h"
 #include "ops/cpu_kernels.h"
+#include "ops/optim8_math.h"
 #include "shard.h"
 #include "step_window.h"
 
@@ -20,6 +22,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   leanddp::bind_modes(m);  // (after bind_reducer: Modes holds its NanCheck)
   leanddp::bind_testing(m);
   m.attr("BUCKETS_IN_FLIGHT") = leanddp::kBucketsInFlight;
+  // torchao's 8-bit rule as the kernels follow it: the fewest elements of a quantized tensor,
+  // and the largest block the kernels quantize.
+  m.attr("MIN_QUANTIZED_8BIT") = leanddp::kMinQuantized8;
+  m.attr("MAX_QUANT_BLOCK") = leanddp::ops::kMaxQuantBlock;
   m.def(
       "assign_buckets",
       [](const std::vector<at::Tensor>& params, const std::vector<int64_t>& order,

@@ -117,6 +117,8 @@ void bind_reducer(py::module_& m) {
       .def_readwrite("buckets_in_flight", &ReducerOptions::buckets_in_flight)
       .def_readwrite("nan_check", &ReducerOptions::nan_check)
       .def_readwrite("shard_optimizer_state", &ReducerOptions::shard_optimizer_state)
+      .def_readwrite("shard_block", &ReducerOptions::shard_block)
+      .def_readwrite("shard_block_names", &ReducerOptions::shard_block_names)
       .def_readwrite("accumulate_on_host", &ReducerOptions::accumulate_on_host)
       .def_readwrite("max_grad_norm", &ReducerOptions::max_grad_norm);
   py::class_<Reducer>(m, "Reducer")

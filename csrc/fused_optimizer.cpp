@@ -287,23 +287,30 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
     }
     if (on_device) at::_foreach_add_(steps, targets.found_inf, -1);
   }
-  // Every masked member counts the step (sharded: whether or not a piece of it is here).
-  std::vector<at::Tensor> counters;
+  count_steps(
+      bucket, mask, targets, [&](size_t p) { return !counted() || device_steps(p); },
+      /*take_back=*/false);
+}
+
+void FusedOptimizer::count_steps(const Bucket& bucket, const std::vector<char>& mask,
+                                 const StepTargets& targets,
+                                 const std::function<bool(size_t)>& advanced, bool take_back) {
+  std::vector<at::Tensor> counters, beside;
   for (size_t s = 0; s < mask.size(); ++s) {
     if (!mask[s]) continue;
-    const size_t p = param_of(s);
+    const auto p = static_cast<size_t>(bucket.params[s]);
     // As torch's in-place ops do: a tensor autograd saved from this parameter is now stale,
     // and autograd raises if a node that has not run yet still needs it.
     if (targets.params[s].defined()) torch::autograd::impl::bump_version(targets.params[s]);
     if (steps_[p]++ == 0) ++generation_;  // a parameter's state appears
-    if (!counted() || device_steps(p)) continue;
-    if (step_tensors_[p].defined()) {
-      counters.push_back(step_tensors_[p]);
-    } else {
-      step_tensors_[p] = at::scalar_tensor(1.0, at::TensorOptions(at::kFloat).device(step_device_));
-    }
+    if (advanced(p)) continue;
+    at::Tensor& count = step_tensors_[p];
+    if (!count.defined()) count = at::zeros({}, at::TensorOptions(at::kFloat).device(step_device_));
+    counters.push_back(count);
+    if (take_back && targets.found_inf.defined() && counts_beside(p)) beside.push_back(count);
   }
   if (!counters.empty()) at::_foreach_add_(counters, 1.0);
+  if (!beside.empty()) at::_foreach_add_(beside, targets.found_inf, -1);
 }
 
 void FusedOptimizer::unstep(size_t p) {
@@ -335,7 +342,7 @@ void FusedOptimizer::relayout(const std::vector<Bucket>& old_buckets,
                               const std::vector<std::vector<at::Tensor>>& old_full) {
   TORCH_CHECK(!sharded() || old_full.size() == old_buckets.size(),
               "FusedOptimizer: a sharded relayout needs the old state gathered whole");
-  if (kind_ == OptimKind::kAdam8bit) return relayout8(old_buckets, new_buckets);
+  if (kind_ == OptimKind::kAdam8bit) return relayout8(old_buckets, new_buckets, old_full);
   std::vector<std::pair<size_t, size_t>> old_at(params_.size(), {SIZE_MAX, 0});
   for (size_t b = 0; b < old_buckets.size(); ++b) {
     for (size_t s = 0; s < old_buckets[b].params.size(); ++s) {
@@ -368,8 +375,6 @@ void FusedOptimizer::relayout(const std::vector<Bucket>& old_buckets,
 }
 
 const std::vector<at::Tensor>& FusedOptimizer::state_buffers(size_t index, const Bucket& bucket) {
-  TORCH_CHECK(kind_ != OptimKind::kAdam8bit,
-              "FusedOptimizer: the 8-bit state is not sharded (shard_optimizer_state)");
   size_t buffers = 0;
   for (int64_t p : bucket.params) {
     buffers = std::max(buffers, num_buffers(group_of_[static_cast<size_t>(p)]));
@@ -382,8 +387,11 @@ std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state(size_t p, 
                                                                       const Bucket& bucket,
                                                                       size_t slot) const {
   if (sharded() || index >= flats_.size()) return {};
-  if (kind_ == OptimKind::kAdam8bit) return state8(p, index, bucket, slot);
-  return state_from(p, flats_[index], bucket.offsets[slot]);
+  if (kind_ == OptimKind::kAdam8bit) {
+    if (index >= layouts8_.size() || flats_[index].empty()) return {};  // (no state yet)
+    return state8(p, slot, flats_[index], layouts8_[index]);
+  }
+  return entries(p, flats_[index], bucket.offsets[slot]);
 }
 
 std::vector<std::string> FusedOptimizer::buffer_keys(size_t p) const {
@@ -401,7 +409,7 @@ void FusedOptimizer::set_steps(size_t p, int64_t step) {
   }
 }
 
-std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state_from(
+std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::entries(
     size_t p, const std::vector<at::Tensor>& full, int64_t offset) const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   const bool momentum = groups_[static_cast<size_t>(group_of_[p])].momentum != 0.0;
@@ -414,14 +422,93 @@ std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state_from(
   return out;
 }
 
+std::vector<std::vector<std::pair<std::string, at::Tensor>>> FusedOptimizer::state_from(
+    const Bucket& bucket, const std::vector<at::Tensor>& full) const {
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> out;
+  const bool eight = kind_ == OptimKind::kAdam8bit;
+  const Layout8 layout = eight ? whole_layout8(bucket) : Layout8{};
+  for (size_t s = 0; s < bucket.params.size(); ++s) {
+    const auto p = static_cast<size_t>(bucket.params[s]);
+    if (!can_step(p)) {
+      out.emplace_back();
+    } else {
+      out.push_back(eight ? state8(p, s, full, layout) : entries(p, full, bucket.offsets[s]));
+    }
+  }
+  return out;
+}
+
+std::vector<at::Tensor> FusedOptimizer::whole_state(size_t index, const Bucket& bucket,
+                                                    std::vector<at::Tensor> gathered) const {
+  if (kind_ != OptimKind::kAdam8bit) return gathered;  // (the padded bucket, shard by shard)
+  TORCH_CHECK(sharded() && gathered.size() == kBuffers8,
+              "FusedOptimizer: whole_state takes the 8-bit buffers of every rank's shard");
+  const ShardLayout& mine = shards_.at(index);
+  const int64_t world = mine.world();
+  const Layout8 whole = whole_layout8(bucket);
+  const int64_t lengths[kBuffers8] = {whole.codes,  whole.codes, whole.scales,
+                                      whole.scales, whole.plain, whole.plain};
+  std::vector<at::Tensor> out;
+  for (size_t k = 0; k < kBuffers8; ++k)
+    out.push_back(at::zeros({lengths[k]}, gathered[k].options()));
+  for (int64_t r = 0; r < world; ++r) {
+    const Layout8 theirs = layout8(bucket, recut(bucket, params_, mine, r).pieces);
+    std::vector<at::Tensor> chunks;
+    for (const at::Tensor& all : gathered) {
+      const int64_t length = all.numel() / world;
+      chunks.push_back(all.narrow(0, r * length, length));
+    }
+    for (size_t m = 0; m < theirs.members.size(); ++m) {
+      if (theirs.at[m] < 0) continue;
+      const ShardPiece& piece = theirs.members[m];
+      const std::vector<at::Tensor> from = pieces8(chunks, theirs, m);
+      const std::vector<at::Tensor> to = narrow8(pieces8(out, whole, piece.slot), piece);
+      for (size_t k = 0; k < to.size(); ++k) to[k].copy_(from[k]);
+    }
+  }
+  return out;
+}
+
+std::vector<std::tuple<int64_t, std::string, at::Tensor>> FusedOptimizer::shard_state(
+    size_t index, const Bucket& bucket) {
+  TORCH_CHECK(sharded(), "FusedOptimizer: shard_state needs shard_optimizer_state");
+  const std::vector<at::Tensor>& buffers = state_buffers(index, bucket);
+  std::vector<std::tuple<int64_t, std::string, at::Tensor>> out;
+  if (kind_ == OptimKind::kAdam8bit) {
+    const Layout8& layout = layouts8_[index];
+    for (size_t m = 0; m < layout.members.size(); ++m) {
+      if (layout.at[m] < 0) continue;
+      const int64_t p = bucket.params[layout.members[m].slot];
+      const std::vector<at::Tensor> pieces = pieces8(buffers, layout, m);
+      for (size_t k = 0; k < pieces.size(); ++k) out.emplace_back(p, kKeys8[k], pieces[k]);
+    }
+    return out;
+  }
+  for (const ShardPiece& piece : shards_.at(index).pieces) {
+    const int64_t p = bucket.params[piece.slot];
+    const std::vector<std::string> keys = buffer_keys(static_cast<size_t>(p));
+    for (size_t k = 0; k < keys.size(); ++k) {
+      out.emplace_back(p, keys[k], buffers[k].narrow(0, piece.shard_offset, piece.numel));
+    }
+  }
+  return out;
+}
+
 void FusedOptimizer::load_state(size_t p, size_t index, const Bucket& bucket, size_t slot,
                                 int64_t step, const std::vector<at::Tensor>& values) {
   const size_t nbuf = num_buffers(group_of_[p]);
   set_steps(p, step);
   if (step == 0) {
     // Sharded, the state is never handed out, so a fresh start zeroes it here (the first step
-    // reads the moments as zeros).
-    if (sharded() && index < flats_.size()) {
+    // reads the moments as zeros; 8-bit: zero codes with zero scales).
+    if (sharded() && kind_ == OptimKind::kAdam8bit && index < flats_.size() &&
+        !flats_[index].empty()) {
+      const Layout8& layout = layouts8_[index];
+      for (size_t m = 0; m < layout.members.size(); ++m) {
+        if (layout.members[m].slot != slot || layout.at[m] < 0) continue;
+        for (const at::Tensor& t : pieces8(flats_[index], layout, m)) t.zero_();
+      }
+    } else if (sharded() && index < flats_.size()) {
       for (size_t k = 0; k < flats_[index].size(); ++k) {
         copy_in(index, bucket, slot, k,
                 at::zeros({params_[p].numel()}, flats_[index][k].options()));
@@ -432,10 +519,7 @@ void FusedOptimizer::load_state(size_t p, size_t index, const Bucket& bucket, si
   ensure_state(index, bucket, nbuf);
   if (kind_ == OptimKind::kAdam8bit) {
     // codes and scales (quantized) or the two moments, in pieces8()'s order
-    std::vector<at::Tensor> pieces = pieces8(flats_[index], layouts8_[index], bucket, slot);
-    TORCH_CHECK(values.size() == pieces.size(), "FusedOptimizer: expected ", pieces.size(),
-                " 8-bit state tensors, got ", values.size());
-    for (size_t k = 0; k < pieces.size(); ++k) pieces[k].copy_(values[k].reshape({-1}));
+    copy_in8(index, bucket, slot, values);
     return;
   }
   TORCH_CHECK(values.size() == nbuf, "FusedOptimizer: expected ", nbuf, " state tensors, got ",

@@ -13,7 +13,9 @@
 // the bucket (shard.h): one flat buffer of shard_numel elements per state kind, and a step
 // steps only the pieces of its members inside the shard (the reduced gradient is valid there).
 // Step counts are kept for every member on every rank, so they agree everywhere. state() is
-// then empty; the Reducer gathers the shards (state_buffers, state_from) for torch's format.
+// then empty; the optimizer gathers the shards (state_buffers, whole_state, state_from) for
+// torch's format. kAdam8bit: the cut falls on block boundaries inside every quantized member
+// (shard.h's `block`), so a rank steps whole blocks, torchao's own.
 //
 // With offload_to_cpu (`on_host`) the same code steps the fp32 master weights in host memory:
 // the state lives in ordinary host memory (it never crosses PCIe), float32 whatever
@@ -30,8 +32,10 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -44,6 +48,10 @@ enum class OptimKind { kSgd, kAdam, kAdam8bit };
 // multiple of the block); a bucket keeps this many state buffers (Layout8).
 constexpr int64_t kMinQuantized8 = 4096;
 constexpr size_t kBuffers8 = 6;
+// kAdam8bit: torch's keys of a quantized parameter's state tensors, in the order the kernels
+// take them (a plain one has the first two).
+inline constexpr const char* kKeys8[] = {"exp_avg", "exp_avg_sq", "exp_avg.scale",
+                                         "exp_avg_sq.scale"};
 
 // torchao's 8-bit state settings (kAdam8bit): the optimizer's block size and its two maps (256
 // float32 entries each, where the state lives: the parameters' device, or the host with
@@ -175,13 +183,24 @@ class FusedOptimizer {
   void set_shards(std::vector<ShardLayout> shards) { shards_ = std::move(shards); }
   bool sharded() const { return !shards_.empty(); }
   // Bucket `index`'s state buffers (this rank's shard of them when sharded), created (zeroed)
-  // if missing: as many as its members' groups need, the same number on every rank.
+  // if missing: as many as its members' groups need, the same number on every rank, each as
+  // long on every rank (kAdam8bit: the six buffers of Layout8).
   const std::vector<at::Tensor>& state_buffers(size_t index, const Bucket& bucket);
-  // Parameter p's entries in torch's format (as state()) from whole state buffers `full` of
-  // its bucket, p's slice starting at `offset`: the gathered shards of a sharded state.
-  std::vector<std::pair<std::string, at::Tensor>> state_from(size_t p,
-                                                             const std::vector<at::Tensor>& full,
-                                                             int64_t offset) const;
+  // Sharded: bucket `index`'s state whole, from `gathered`, every rank's state_buffers() of it
+  // gathered in rank order (world times as long): shard_numel-long buffers put back in place
+  // into padded ones (an all-gather of the shards already is that), kAdam8bit's pieces moved
+  // into the whole bucket's Layout8. What state_from() and a sharded relayout() take.
+  std::vector<at::Tensor> whole_state(size_t index, const Bucket& bucket,
+                                      std::vector<at::Tensor> gathered) const;
+  // Each slot's entries in torch's format (as state(); none for a slot the kernels do not
+  // step) from `bucket`'s whole state buffers `full` (whole_state()).
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> state_from(
+      const Bucket& bucket, const std::vector<at::Tensor>& full) const;
+  // Sharded: this rank's pieces of bucket `index`'s state, as (parameter, torch's key, 1-D
+  // view of the piece) in piece order: a slot's elements [slot_offset, slot_offset + numel)
+  // (kAdam8bit's scales: its blocks [slot_offset / block, (slot_offset + numel) / block)).
+  std::vector<std::tuple<int64_t, std::string, at::Tensor>> shard_state(size_t index,
+                                                                        const Bucket& bucket);
 
   // torch's state entries of parameter p (slot `slot` of bucket `index`), in torch's key order;
   // empty before its first step. kAdam8bit, a quantized parameter: `exp_avg` and `exp_avg_sq`
@@ -206,28 +225,56 @@ class FusedOptimizer {
 
  private:
   size_t num_buffers(int64_t group) const;  // state buffers a parameter of this group needs
+  // Parameter p's entries in torch's format from whole buffers `full` of SGD/Adam state, p's
+  // slice starting at `offset`.
+  std::vector<std::pair<std::string, at::Tensor>> entries(size_t p,
+                                                          const std::vector<at::Tensor>& full,
+                                                          int64_t offset) const;
   bool counted() const { return kind_ != OptimKind::kSgd; }  // keeps torch's `step` tensors
   // kAdam8bit (fused_optimizer_8bit.cpp). A bucket's state is six flat buffers: codes of both
   // moments of its quantized members (uint8), their scales (float32), plain moments of the
-  // others (the state dtype), each packed in slot order (Layout8).
+  // others (the state dtype), each packed in member order (Layout8). A member is a whole slot,
+  // or, sharded, this rank's piece of one (whole blocks of a quantized slot: the cut, shard.h).
   struct Layout8 {
-    std::vector<char> quantized;    // per slot
-    std::vector<int64_t> at;        // per slot: offset in the codes, or in the plain buffers
-    std::vector<int64_t> scale_at;  // per slot: offset in the scales (quantized)
-    int64_t codes = 0, scales = 0, plain = 0;  // the buffers' lengths
+    std::vector<ShardPiece> members;  // in layout order (whole: one per slot, slot_offset 0)
+    std::vector<char> quantized;      // per member
+    std::vector<int64_t> at;          // per member: offset in the codes, or in the plain buffers
+    std::vector<int64_t> scale_at;    // per member: offset in the scales (quantized)
+    // The buffers' lengths: what the members need; sharded, the most any rank's shard needs,
+    // so that every rank's buffers are equally long (gathered by one all-gather each).
+    int64_t codes = 0, scales = 0, plain = 0;
   };
-  // (members the kernels do not step have no place in it: the fallback keeps their state)
-  Layout8 layout8(const Bucket& bucket) const;
+  // The layout of `members` of `bucket` (members the kernels do not step have no place in it:
+  // the fallback keeps their state).
+  Layout8 layout8(const Bucket& bucket, std::vector<ShardPiece> members) const;
+  Layout8 whole_layout8(const Bucket& bucket) const;  // one member per slot: unsharded
   void ensure_state8(size_t index, const Bucket& bucket);
-  // Slot `slot`'s state (a stepped member) as 1-D tensors of the buffers `flats` laid out as
+  // Member `m`'s state (a stepped member) as 1-D tensors of the buffers `flats` laid out as
   // `layout`: codes, codes, scale, scale (quantized), else the two moments.
   std::vector<at::Tensor> pieces8(const std::vector<at::Tensor>& flats, const Layout8& layout,
-                                  const Bucket& bucket, size_t slot) const;
+                                  size_t m) const;
+  // `whole` (a whole slot's pieces8()) narrowed to `piece` of that slot.
+  std::vector<at::Tensor> narrow8(const std::vector<at::Tensor>& whole,
+                                  const ShardPiece& piece) const;
+  // Writes `whole`, slot `slot`'s state as pieces8() gives it for the whole slot, into the
+  // state (this rank's pieces of it when sharded).
+  void copy_in8(size_t index, const Bucket& bucket, size_t slot,
+                const std::vector<at::Tensor>& whole);
   void step8(size_t index, const Bucket& bucket, const std::vector<char>& mask,
              const StepTargets& targets);
-  std::vector<std::pair<std::string, at::Tensor>> state8(size_t p, size_t index,
-                                                         const Bucket& bucket, size_t slot) const;
-  void relayout8(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets);
+  // Parameter p's entries in torch's format from the buffers `flats` of its bucket laid out as
+  // `layout` (whole), slot `slot`.
+  std::vector<std::pair<std::string, at::Tensor>> state8(size_t p, size_t slot,
+                                                         const std::vector<at::Tensor>& flats,
+                                                         const Layout8& layout) const;
+  void relayout8(const std::vector<Bucket>& old_buckets, const std::vector<Bucket>& new_buckets,
+                 const std::vector<std::vector<at::Tensor>>& old_full);
+  // Every masked member of `bucket` counts the step (sharded: whether or not a piece of it is
+  // here), its version counter bumped: those that `advanced` says were counted with the kernel
+  // (Adam's counts on the device under found_inf) are only bumped. `take_back`: counts beside
+  // found_inf are taken back where it is set (the 8-bit kind's CPU float32 counts).
+  void count_steps(const Bucket& bucket, const std::vector<char>& mask, const StepTargets& targets,
+                   const std::function<bool(size_t)>& advanced, bool take_back);
   void ensure_state(size_t index, const Bucket& bucket, size_t buffers);
   at::Tensor state_view(size_t index, const Bucket& bucket, size_t slot, size_t k) const;
   // Writes `values`, slot `slot`'s state of kind k as 1-D in the parameter's memory order, into
@@ -246,7 +293,8 @@ class FusedOptimizer {
   Quant8 quant_;                                // kAdam8bit
   std::vector<std::vector<at::Tensor>> flats_;  // per bucket: its state buffers (may be empty)
   std::vector<ShardLayout> shards_;             // per bucket, sharded (else empty)
-  // kAdam8bit, per bucket: the layout of its state buffers (set with them, by ensure_state8)
+  // kAdam8bit, per bucket: the layout of its state buffers (set with them, by ensure_state8;
+  // sharded, of this rank's pieces)
   std::vector<Layout8> layouts8_;
   std::vector<int64_t> steps_;            // per parameter: updates taken
   std::vector<at::Tensor> step_tensors_;  // per parameter (Adam): torch's `step`

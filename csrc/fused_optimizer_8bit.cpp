@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <utility>
@@ -36,36 +37,60 @@ void adam8_step(at::TensorList params, at::TensorList grads, at::TensorList m, a
 
 }  // namespace
 
-FusedOptimizer::Layout8 FusedOptimizer::layout8(const Bucket& bucket) const {
+FusedOptimizer::Layout8 FusedOptimizer::layout8(const Bucket& bucket,
+                                                std::vector<ShardPiece> members) const {
   Layout8 out;
-  for (int64_t p : bucket.params) {
-    const at::Tensor& param = params_[static_cast<size_t>(p)];
-    const int64_t numel = param.numel();
+  out.members = std::move(members);
+  for (const ShardPiece& member : out.members) {
+    const auto p = static_cast<size_t>(bucket.params[member.slot]);
     const bool quantized =
-        state_spec(kind_, param, on_host_, /*momentum=*/false, quant_.block).quantized;
+        state_spec(kind_, params_[p], on_host_, /*momentum=*/false, quant_.block).quantized;
     out.quantized.push_back(quantized);
-    if (!can_step(static_cast<size_t>(p))) {  // (stepped by the fallback, which keeps its state)
+    if (!can_step(p)) {  // (stepped by the fallback, which keeps its state)
       out.at.push_back(-1);
       out.scale_at.push_back(-1);
       continue;
     }
+    TORCH_CHECK(
+        !quantized || (member.slot_offset % quant_.block == 0 && member.numel % quant_.block == 0),
+        "FusedOptimizer: a shard cuts a block of 8-bit state (slot ", member.slot, ", elements ",
+        member.slot_offset, " to ", member.slot_offset + member.numel, ")");
     out.at.push_back(quantized ? out.codes : out.plain);
     out.scale_at.push_back(quantized ? out.scales : -1);
     if (quantized) {
-      out.codes += numel;
-      out.scales += numel / quant_.block;
+      out.codes += member.numel;
+      out.scales += member.numel / quant_.block;
     } else {
-      out.plain += numel;
+      out.plain += member.numel;
     }
   }
   return out;
 }
 
+FusedOptimizer::Layout8 FusedOptimizer::whole_layout8(const Bucket& bucket) const {
+  std::vector<ShardPiece> slots;
+  for (size_t s = 0; s < bucket.params.size(); ++s) {
+    slots.push_back(ShardPiece{s, 0, bucket.offsets[s],
+                               params_[static_cast<size_t>(bucket.params[s])].numel()});
+  }
+  return layout8(bucket, std::move(slots));
+}
+
 void FusedOptimizer::ensure_state8(size_t index, const Bucket& bucket) {
-  TORCH_CHECK(!sharded(), "FusedOptimizer: the 8-bit state is not sharded");
   if (layouts8_.size() <= index) layouts8_.resize(index + 1);
-  layouts8_[index] = layout8(bucket);
-  const Layout8& layout = layouts8_[index];
+  Layout8& layout = layouts8_[index];
+  if (!sharded()) {
+    layout = whole_layout8(bucket);
+  } else {
+    const ShardLayout& mine = shards_.at(index);
+    layout = layout8(bucket, mine.pieces);
+    for (int64_t r = 0; r < mine.world(); ++r) {
+      const Layout8 other = layout8(bucket, recut(bucket, params_, mine, r).pieces);
+      layout.codes = std::max(layout.codes, other.codes);
+      layout.scales = std::max(layout.scales, other.scales);
+      layout.plain = std::max(layout.plain, other.plain);
+    }
+  }
   auto& flats = flats_[index];
   flats.clear();
   // Zero codes with zero scales dequantize to zero moments, as torchao's fresh state does.
@@ -80,19 +105,46 @@ void FusedOptimizer::ensure_state8(size_t index, const Bucket& bucket) {
 }
 
 std::vector<at::Tensor> FusedOptimizer::pieces8(const std::vector<at::Tensor>& flats,
-                                                const Layout8& layout, const Bucket& bucket,
-                                                size_t slot) const {
-  TORCH_CHECK(layout.at[slot] >= 0, "FusedOptimizer: slot ", slot,
+                                                const Layout8& layout, size_t m) const {
+  TORCH_CHECK(layout.at[m] >= 0, "FusedOptimizer: slot ", layout.members[m].slot,
               " is not stepped by the 8-bit kernels");
-  const int64_t numel = params_[static_cast<size_t>(bucket.params[slot])].numel();
-  const int64_t at = layout.at[slot];
-  if (!layout.quantized[slot]) {
+  const int64_t numel = layout.members[m].numel;
+  const int64_t at = layout.at[m];
+  if (!layout.quantized[m]) {
     return {flats[kPlainM].narrow(0, at, numel), flats[kPlainV].narrow(0, at, numel)};
   }
   const int64_t blocks = numel / quant_.block;
-  const int64_t scale_at = layout.scale_at[slot];
+  const int64_t scale_at = layout.scale_at[m];
   return {flats[kCodesM].narrow(0, at, numel), flats[kCodesV].narrow(0, at, numel),
           flats[kScaleM].narrow(0, scale_at, blocks), flats[kScaleV].narrow(0, scale_at, blocks)};
+}
+
+std::vector<at::Tensor> FusedOptimizer::narrow8(const std::vector<at::Tensor>& whole,
+                                                const ShardPiece& piece) const {
+  std::vector<at::Tensor> out;
+  for (size_t k = 0; k < whole.size(); ++k) {
+    const bool scale = k >= 2;  // (only quantized state has them: its pieces are whole blocks)
+    const int64_t unit = scale ? quant_.block : 1;
+    out.push_back(whole[k].reshape({-1}).narrow(0, piece.slot_offset / unit, piece.numel / unit));
+  }
+  return out;
+}
+
+void FusedOptimizer::copy_in8(size_t index, const Bucket& bucket, size_t slot,
+                              const std::vector<at::Tensor>& whole) {
+  const Layout8& layout = layouts8_[index];
+  // (checked on every rank, also one without a piece of the slot: each raises alike)
+  const at::Tensor& param = params_[static_cast<size_t>(bucket.params[slot])];
+  const size_t expected =
+      state_spec(kind_, param, on_host_, /*momentum=*/false, quant_.block).quantized ? 4 : 2;
+  TORCH_CHECK(whole.size() == expected, "FusedOptimizer: expected ", expected,
+              " 8-bit state tensors, got ", whole.size());
+  for (size_t m = 0; m < layout.members.size(); ++m) {
+    if (layout.members[m].slot != slot) continue;
+    const std::vector<at::Tensor> to = pieces8(flats_[index], layout, m);
+    const std::vector<at::Tensor> from = narrow8(whole, layout.members[m]);
+    for (size_t k = 0; k < to.size(); ++k) to[k].copy_(from[k]);
+  }
 }
 
 void FusedOptimizer::step8(size_t index, const Bucket& bucket, const std::vector<char>& mask,
@@ -101,84 +153,86 @@ void FusedOptimizer::step8(size_t index, const Bucket& bucket, const std::vector
               "FusedOptimizer: the 8-bit kernels take no GradScaler scale");
   TORCH_CHECK(targets.copies.empty() || targets.copies.size() == mask.size(),
               "FusedOptimizer: one low-precision copy per slot, or none");
+  TORCH_CHECK(!sharded() || !targets.found_inf.defined(),
+              "FusedOptimizer: a sharded step takes no found_inf");
   ensure_state(index, bucket, kBuffers8);
   const auto& flats = flats_[index];
   const Layout8& layout = layouts8_[index];
   const at::Tensor no_scale = at::empty({0}, state_options_.dtype(at::kFloat));
+  // A member's part of a per-slot target: whole, or its piece (as step() cuts them).
+  const auto cut = [&](const at::Tensor& t, const ShardPiece& member) {
+    if (!sharded() || targets.cut || !t.defined()) return t;
+    return memory_1d(t).narrow(0, member.slot_offset, member.numel);
+  };
   // Members sharing a group and a step count are stepped by one kernel launch.
   std::map<std::pair<int64_t, int64_t>, std::vector<size_t>> calls;
-  for (size_t s = 0; s < mask.size(); ++s) {
+  for (size_t m = 0; m < layout.members.size(); ++m) {
+    const size_t s = layout.members[m].slot;
     if (!mask[s]) continue;
     const auto p = static_cast<size_t>(bucket.params[s]);
-    calls[{group_of_[p], steps_[p] + 1}].push_back(s);
+    calls[{group_of_[p], steps_[p] + 1}].push_back(m);
   }
-  for (const auto& [key, slots] : calls) {
+  for (const auto& [key, members] : calls) {
     const OptimHyper& h = groups_[static_cast<size_t>(key.first)];
     std::vector<at::Tensor> params, grads, m, v, scale_m, scale_v, copies;
-    for (size_t s : slots) {
-      const at::Tensor& param = targets.params[s];
-      std::vector<at::Tensor> state = pieces8(flats, layout, bucket, s);
+    for (size_t i : members) {
+      const ShardPiece& member = layout.members[i];
+      const size_t s = member.slot;
+      const at::Tensor param = cut(targets.params[s], member);
+      std::vector<at::Tensor> state = pieces8(flats, layout, i);
       params.push_back(param);
-      grads.push_back(targets.grads[s]);
+      grads.push_back(cut(targets.grads[s], member));
       m.push_back(state[0].view(param.sizes()));
       v.push_back(state[1].view(param.sizes()));
       scale_m.push_back(state.size() > 2 ? state[2] : no_scale);
       scale_v.push_back(state.size() > 2 ? state[3] : no_scale);
       if (!targets.copies.empty() && targets.copies[s].defined()) {
-        copies.push_back(targets.copies[s]);
+        copies.push_back(cut(targets.copies[s], member));
       }
     }
     TORCH_CHECK(copies.empty() || copies.size() == params.size(),
                 "FusedOptimizer: low-precision copies for some members of a call only");
     adam8_step(params, grads, m, v, scale_m, scale_v, copies, quant_, h, key.second, targets);
   }
-  // Every masked member counts the step; torchao's counts are float32 tensors on the CPU. With
-  // found_inf beside them (training on the CPU) a skipped step's count is taken back here, as
-  // step() does for Adam; else unstep() takes it back once the flags are read.
-  std::vector<at::Tensor> counters, beside;
-  for (size_t s = 0; s < mask.size(); ++s) {
-    if (!mask[s]) continue;
-    const auto p = static_cast<size_t>(bucket.params[s]);
-    // As torch's in-place ops do (see step()).
-    torch::autograd::impl::bump_version(targets.params[s]);
-    if (steps_[p]++ == 0) ++generation_;  // a parameter's state appears
-    at::Tensor& count = step_tensors_[p];
-    if (!count.defined()) count = at::zeros({}, at::TensorOptions(at::kFloat).device(step_device_));
-    counters.push_back(count);
-    if (targets.found_inf.defined() && counts_beside(p)) beside.push_back(count);
-  }
-  at::_foreach_add_(counters, 1.0);
-  if (!beside.empty()) at::_foreach_add_(beside, targets.found_inf, -1);
+  // torchao's counts are float32 tensors on the CPU: with found_inf beside them (training on
+  // the CPU) a skipped step's count is taken back at once; else unstep() takes it back once
+  // the flags are read.
+  count_steps(bucket, mask, targets, [](size_t) { return false; }, /*take_back=*/true);
 }
 
-std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state8(size_t p, size_t index,
-                                                                       const Bucket& bucket,
-                                                                       size_t slot) const {
+std::vector<std::pair<std::string, at::Tensor>> FusedOptimizer::state8(
+    size_t p, size_t slot, const std::vector<at::Tensor>& flats, const Layout8& layout) const {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  if (steps_[p] == 0 || flats_[index].size() < kBuffers8) return out;
-  const std::vector<at::Tensor> pieces = pieces8(flats_[index], layouts8_[index], bucket, slot);
+  if (steps_[p] == 0 || flats.size() < kBuffers8) return out;
+  const std::vector<at::Tensor> pieces = pieces8(flats, layout, slot);
   const at::Tensor& param = params_[p];
   out.emplace_back("step", step_tensors_[p]);
-  out.emplace_back("exp_avg", pieces[0].view(param.sizes()));
-  out.emplace_back("exp_avg_sq", pieces[1].view(param.sizes()));
-  if (pieces.size() > 2) {
-    out.emplace_back("exp_avg.scale", pieces[2]);
-    out.emplace_back("exp_avg_sq.scale", pieces[3]);
+  for (size_t k = 0; k < pieces.size(); ++k) {  // (the moments shaped like the parameter)
+    out.emplace_back(kKeys8[k], k < 2 ? pieces[k].view(param.sizes()) : pieces[k]);
   }
   return out;
 }
 
 void FusedOptimizer::relayout8(const std::vector<Bucket>& old_buckets,
-                               const std::vector<Bucket>& new_buckets) {
+                               const std::vector<Bucket>& new_buckets,
+                               const std::vector<std::vector<at::Tensor>>& old_full) {
   std::vector<std::pair<size_t, size_t>> old_at(params_.size(), {SIZE_MAX, 0});
   for (size_t b = 0; b < old_buckets.size(); ++b) {
     for (size_t s = 0; s < old_buckets[b].params.size(); ++s) {
       old_at[static_cast<size_t>(old_buckets[b].params[s])] = {b, s};
     }
   }
+  // Each old bucket's state whole: its buffers, or (sharded) gathered by the caller.
   std::vector<std::vector<at::Tensor>> old_flats = std::exchange(flats_, {});
-  const auto held = [&](size_t b) { return b < old_flats.size() && !old_flats[b].empty(); };
-  const std::vector<Layout8> old_layouts = std::exchange(layouts8_, {});
+  std::vector<Layout8> old_layouts = std::exchange(layouts8_, {});
+  if (sharded()) {
+    old_flats = old_full;
+    old_layouts.clear();
+    for (const Bucket& bucket : old_buckets) old_layouts.push_back(whole_layout8(bucket));
+  }
+  const auto held = [&](size_t b) {
+    return b < old_flats.size() && old_flats[b].size() >= kBuffers8;
+  };
   flats_.assign(new_buckets.size(), {});
   for (size_t b = 0; b < new_buckets.size(); ++b) {
     const Bucket& bucket = new_buckets[b];
@@ -186,15 +240,11 @@ void FusedOptimizer::relayout8(const std::vector<Bucket>& old_buckets,
     for (int64_t p : bucket.params) any = any || held(old_at[static_cast<size_t>(p)].first);
     if (!any) continue;
     ensure_state(b, bucket, kBuffers8);
-    const Layout8& layout = layouts8_[b];
     for (size_t s = 0; s < bucket.params.size(); ++s) {
       const auto p = static_cast<size_t>(bucket.params[s]);
       const auto [ob, os] = old_at[p];
       if (!held(ob) || !can_step(p)) continue;
-      const std::vector<at::Tensor> from =
-          pieces8(old_flats[ob], old_layouts[ob], old_buckets[ob], os);
-      const std::vector<at::Tensor> to = pieces8(flats_[b], layout, bucket, s);
-      for (size_t k = 0; k < to.size(); ++k) to[k].copy_(from[k]);
+      copy_in8(b, bucket, s, pieces8(old_flats[ob], old_layouts[ob], os));
     }
   }
   ++generation_;

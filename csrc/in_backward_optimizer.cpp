@@ -49,9 +49,6 @@ InBackwardOptimizer::InBackwardOptimizer(std::vector<at::Tensor> params,
   TORCH_CHECK(!options_.offload_to_cpu || options_.kind,
               "leanddp.DistributedDataParallel: offload_to_cpu steps every bucket with the fused "
               "optimizer");
-  TORCH_CHECK(options_.kind != OptimKind::kAdam8bit || !options_.sharded,
-              "leanddp.DistributedDataParallel: the 8-bit optimizer state is not sharded "
-              "(shard_optimizer_state)");
   std::unique_ptr<FusedOptimizer> fused;
   if (options_.kind) {
     fused = std::make_unique<FusedOptimizer>(*options_.kind, params_, options_.group_of,

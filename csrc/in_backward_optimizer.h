@@ -211,7 +211,8 @@ class InBackwardOptimizer {
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> gathered_state();
   // Sharded, between iterations, for checkpoints that stay sharded: every parameter's pieces on
   // every rank, as (rank, first element, elements) of the parameter seen 1-D in memory order;
-  // this rank's pieces of the state as (parameter, torch's key, a live 1-D view), float32
+  // this rank's pieces of the state as (parameter, torch's key, a live 1-D view;
+  // FusedOptimizer::shard_state: 8-bit codes, and their scales' blocks), float32
   // masters included with offload_to_cpu ("master_weight"; one not made yet is made from its
   // parameter first, on every rank); and the step counts (the same on every rank), which
   // set_steps() sets, leaving the buffers as they are.
@@ -248,7 +249,8 @@ class InBackwardOptimizer {
   void check_idle(const char* what) const;  // raises inside a synchronized iteration
   FusedOptimizer& fused(const char* what) const;
   // Sharded: the state buffers of bucket `index` of `layout` (cut by `shards`), and with
-  // offload_to_cpu a low-precision bucket's masters, gathered whole, padded (a collective).
+  // offload_to_cpu a low-precision bucket's masters (last), gathered whole (a collective):
+  // FusedOptimizer::whole_state(), the masters padded.
   std::vector<at::Tensor> gather_state(const std::vector<Bucket>& layout,
                                        const std::vector<ShardLayout>& shards, size_t index);
   bool low_precision(const Bucket& bucket) const {

@@ -87,25 +87,36 @@ int64_t InBackwardOptimizer::generation() {
 std::vector<at::Tensor> InBackwardOptimizer::gather_state(const std::vector<Bucket>& layout,
                                                           const std::vector<ShardLayout>& shards,
                                                           size_t index) {
-  const ShardLayout& cut = shards[index];
-  std::vector<at::Tensor> local = steps_->optimizer()->state_buffers(index, layout[index]);
+  FusedOptimizer& fused = *steps_->optimizer();
+  std::vector<at::Tensor> local = fused.state_buffers(index, layout[index]);
+  const size_t buffers = local.size();
   // offload_to_cpu: a low-precision bucket's float32 masters too (last).
   if (host_ && low_precision(layout[index])) local.push_back(host_->masters_block(index));
   // Gathered on the parameters' device (the process group's), each buffer in turn, then kept
-  // where the state lives (the host, with offload_to_cpu).
+  // where the state lives (the host, with offload_to_cpu). A shard_numel-long buffer gathers
+  // into the padded bucket, shard by shard.
   const c10::Device device = params_.front().device();
-  std::vector<at::Tensor> whole;
-  for (const at::Tensor& shard : local) {
-    at::Tensor full = at::zeros({cut.padded}, shard.options().device(device));
-    full.narrow(0, cut.begin, cut.shard_numel).copy_(shard);
+  const int64_t world = shards[index].world();
+  std::vector<at::Tensor> gathered;
+  for (const at::Tensor& mine : local) {
+    at::Tensor all = at::empty({world * mine.numel()}, mine.options().device(device));
+    if (mine.numel() == 0) {  // (as long on every rank: none gathers)
+      gathered.push_back(all.to(mine.device()));
+      continue;
+    }
     try {
-      gather_shards(group_, full, cut)->wait();
+      gather_equal(group_, all, mine.to(device))->wait();
     } catch (...) {
       rethrow_collective_error(group_->getRank(),
                                "gathering the optimizer state of bucket " + std::to_string(index));
     }
-    whole.push_back(shard.device() == device ? std::move(full) : full.to(shard.device()));
+    gathered.push_back(mine.device() == device ? std::move(all) : all.to(mine.device()));
   }
+  std::vector<at::Tensor> masters(gathered.begin() + static_cast<std::ptrdiff_t>(buffers),
+                                  gathered.end());
+  gathered.resize(buffers);
+  std::vector<at::Tensor> whole = fused.whole_state(index, layout[index], std::move(gathered));
+  whole.insert(whole.end(), masters.begin(), masters.end());
   return whole;
 }
 
@@ -121,9 +132,10 @@ std::vector<std::vector<std::pair<std::string, at::Tensor>>> InBackwardOptimizer
   for (size_t b = 0; b < layout_.size(); ++b) {
     const std::vector<at::Tensor> full = gather_state(layout_, shards_, b);
     const Bucket& bucket = layout_[b];
+    auto entries = fused.state_from(bucket, full);
     for (size_t s = 0; s < bucket.params.size(); ++s) {
       const auto p = static_cast<size_t>(bucket.params[s]);
-      out[p] = fused.state_from(p, full, bucket.offsets[s]);
+      out[p] = std::move(entries[s]);
       const at::Tensor& param = params_[p];
       // (a master alone too: SGD without momentum)
       if (host_ && param.scalar_type() != at::kFloat && host_->master_made(p)) {
@@ -139,11 +151,12 @@ std::vector<std::vector<std::array<int64_t, 3>>> InBackwardOptimizer::shard_plac
   TORCH_CHECK(options_.sharded, "InBackwardOptimizer: shard_placement needs shard_optimizer_state");
   check_open("reading the shard placement");
   const int64_t world = group_->getSize();
+  TORCH_CHECK(shards_.size() == layout_.size(), "InBackwardOptimizer: no shards yet");
   std::vector<std::vector<std::array<int64_t, 3>>> out(params_.size());
   for (size_t b = 0; b < layout_.size(); ++b) {
     const Bucket& bucket = layout_[b];
     for (int64_t r = 0; r < world; ++r) {
-      for (const ShardPiece& piece : cut_bucket(bucket, params_, world, r).pieces) {
+      for (const ShardPiece& piece : recut(bucket, params_, shards_[b], r).pieces) {
         out[static_cast<size_t>(bucket.params[piece.slot])].push_back(
             {r, piece.slot_offset, piece.numel});
       }
@@ -162,7 +175,6 @@ std::vector<std::tuple<int64_t, std::string, at::Tensor>> InBackwardOptimizer::l
   std::vector<std::tuple<int64_t, std::string, at::Tensor>> out;
   for (size_t b = 0; b < layout_.size(); ++b) {
     const Bucket& bucket = layout_[b];
-    const std::vector<at::Tensor>& buffers = fused.state_buffers(b, bucket);
     const bool masters = host_ != nullptr && low_precision(bucket);
     // A master not made yet (no step, nothing loaded) is uninitialized memory: it is made now
     // from its parameter, as the first step would make it, so that a checkpoint saved before
@@ -172,16 +184,11 @@ std::vector<std::tuple<int64_t, std::string, at::Tensor>> InBackwardOptimizer::l
       const auto p = static_cast<size_t>(bucket.params[s]);
       if (!host_->master_made(p)) host_->load_master(p, params_[p]);
     }
+    for (auto& entry : fused.shard_state(b, bucket)) out.push_back(std::move(entry));
     for (const ShardPiece& piece : shards_[b].pieces) {
-      const int64_t p = bucket.params[piece.slot];
-      const std::vector<std::string> keys = fused.buffer_keys(static_cast<size_t>(p));
-      for (size_t k = 0; k < keys.size(); ++k) {
-        out.emplace_back(p, keys[k], buffers[k].narrow(0, piece.shard_offset, piece.numel));
-      }
-      if (masters) {
-        out.emplace_back(p, "master_weight",
-                         host_->masters_block(b).narrow(0, piece.shard_offset, piece.numel));
-      }
+      if (!masters) break;
+      out.emplace_back(bucket.params[piece.slot], "master_weight",
+                       host_->masters_block(b).narrow(0, piece.shard_offset, piece.numel));
     }
   }
   return out;

@@ -40,6 +40,18 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     TORCH_CHECK(it != names_.end(), "Reducer: sparse_names names no trained parameter: ", name);
     sparse_[static_cast<size_t>(it - names_.begin())] = true;
   }
+  TORCH_CHECK(options_.shard_block >= 1, "Reducer: shard_block must be at least 1, got ",
+              options_.shard_block);
+  blocked_.assign(params_.size(), false);
+  for (const std::string& name : options_.shard_block_names) {
+    const auto it = std::find(names_.begin(), names_.end(), name);
+    TORCH_CHECK(it != names_.end(),
+                "Reducer: shard_block_names names no trained parameter: ", name);
+    const auto p = static_cast<size_t>(it - names_.begin());
+    TORCH_CHECK(params_[p].numel() % options_.shard_block == 0, "Reducer: parameter ", name, " (",
+                params_[p].numel(), " elements) is not made of blocks of ", options_.shard_block);
+    blocked_[p] = true;
+  }
   if (window_.device_ordered()) {
     const c10::Device device = params_.front().device();
     events_ = std::make_unique<EventPool>(device.type());

@@ -119,6 +119,13 @@ struct ReducerOptions {
   // for, its shard only, then the stepped shards are all-gathered into the parameters before
   // the bucket is released. No communication hook, NaN check or GradScaler with it.
   bool shard_optimizer_state = false;
+  // shard_optimizer_state with 8-bit optimizer state: its block size (elements; 1: none) and
+  // the parameters (by name) it quantizes by blocks of it (their numel a multiple of it). Those
+  // come first in each bucket, so each starts on a multiple of the block, and the shards of a
+  // bucket holding any are multiples of it: every cut inside such a parameter falls on one of
+  // its block boundaries, so each rank steps whole blocks, the ones the optimizer quantizes.
+  int64_t shard_block = 1;
+  std::vector<std::string> shard_block_names;
   // With an optimizer that steps on the host (offload_to_cpu): no_sync() micro-batches'
   // gradients are summed on the host (HostAccumulator, host_accumulator.h) by the optimizer's host
   // worker, each bucket released from the device as soon as it is complete.
@@ -393,7 +400,8 @@ class Reducer {
   std::vector<uintptr_t> hook_keys_;
   std::unordered_map<const torch::autograd::Node*, size_t> accumulator_index_;
   double div_factor_;
-  std::vector<bool> sparse_;  // per parameter: named in options_.sparse_names
+  std::vector<bool> sparse_;   // per parameter: named in options_.sparse_names
+  std::vector<bool> blocked_;  // per parameter: named in options_.shard_block_names
   // GPU only: the events that order the side stream and the compute stream.
   std::unique_ptr<EventPool> events_;
 

@@ -15,7 +15,10 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
   allocated_bytes_ = 0;
   allocated_buckets_ = 0;
   location_.assign(params_.size(), {0, 0});
-  for (const auto& indices : assignment) {
+  for (auto indices : assignment) {
+    // Parameters quantized by blocks first, each then on a multiple of the block (ReducerOptions).
+    std::stable_partition(indices.begin(), indices.end(),
+                          [this](int64_t p) { return blocked_[static_cast<size_t>(p)]; });
     for (size_t s = 0; s < indices.size(); ++s) {
       location_[static_cast<size_t>(indices[s])] = {buckets_.size(), s};
     }
@@ -27,7 +30,8 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
     }
   }
   // (shard_optimizer_state implies optimizer_in_backward: nothing is allocated yet)
-  if (options_.shard_optimizer_state) shard_.cut_all(buckets_, *process_group_);
+  if (options_.shard_optimizer_state)
+    shard_.cut_all(buckets_, *process_group_, options_.shard_block, blocked_);
 }
 
 void Reducer::ensure_allocated(size_t bucket_index) {

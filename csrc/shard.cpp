@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <numeric>
 
 namespace leanddp {
 namespace {
@@ -44,6 +45,7 @@ ShardLayout shard_layout(const std::vector<int64_t>& offsets, const std::vector<
   layout.padded = (bucket_numel + unit - 1) / unit * unit;
   layout.shard_numel = layout.padded / world;
   layout.begin = rank * layout.shard_numel;
+  layout.align = align;
   const int64_t end = layout.begin + layout.shard_numel;
   for (size_t s = 0; s < offsets.size(); ++s) {
     const int64_t first = std::max(offsets[s], layout.begin);
@@ -104,21 +106,45 @@ void pack_shard(const at::Tensor& flat, const ShardLayout& layout,
 c10::intrusive_ptr<c10d::Work> gather_shards(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                              at::Tensor flat, const ShardLayout& layout) {
   check_padded("gather_shards", flat, layout, group->getSize());
-  at::Tensor shard = flat.narrow(0, layout.begin, layout.shard_numel);
+  return gather_equal(group, flat, flat.narrow(0, layout.begin, layout.shard_numel));
+}
+
+c10::intrusive_ptr<c10d::Work> gather_equal(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                            at::Tensor out, at::Tensor local) {
+  TORCH_CHECK(local.dim() == 1 && out.dim() == 1 && out.is_contiguous() &&
+                  out.numel() == group->getSize() * local.numel(),
+              "gather_equal: gathering ", local.numel(), " elements from each of ",
+              group->getSize(), " ranks into ", out.numel());
   // (deprecated for all_gather_single in recent torch; the old name is in every version)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-  return group->_allgather_base(flat, shard);
+  return group->_allgather_base(out, local);
 #pragma GCC diagnostic pop
 }
 
-ShardLayout cut_bucket(const Bucket& bucket, const std::vector<at::Tensor>& params, int64_t world,
-                       int64_t rank) {
+namespace {
+
+std::vector<int64_t> numels_of(const Bucket& bucket, const std::vector<at::Tensor>& params) {
   std::vector<int64_t> numels;
   for (int64_t p : bucket.params) numels.push_back(params[static_cast<size_t>(p)].numel());
+  return numels;
+}
+
+}  // namespace
+
+ShardLayout cut_bucket(const Bucket& bucket, const std::vector<at::Tensor>& params, int64_t world,
+                       int64_t rank, int64_t block) {
+  TORCH_CHECK(block >= 1, "cut_bucket: block must be at least 1, got ", block);
   const int64_t align = std::max<int64_t>(
       1, 16 / static_cast<int64_t>(params[static_cast<size_t>(bucket.params[0])].element_size()));
-  return shard_layout(bucket.offsets, numels, bucket.numel, align, world, rank);
+  return shard_layout(bucket.offsets, numels_of(bucket, params), bucket.numel,
+                      std::lcm(align, block), world, rank);
+}
+
+ShardLayout recut(const Bucket& bucket, const std::vector<at::Tensor>& params,
+                  const ShardLayout& like, int64_t rank) {
+  return shard_layout(bucket.offsets, numels_of(bucket, params), bucket.numel, like.align,
+                      like.world(), rank);
 }
 
 }  // namespace leanddp

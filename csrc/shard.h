@@ -2,7 +2,8 @@
 //
 // The bucket's `numel` elements are padded to `padded`, the smallest multiple of `world * align`
 // not below `numel` (`align`: elements per 16 bytes, so that every shard starts aligned for the
-// vector kernels and for NCCL), and cut into `world` shards of `shard_numel`: rank r owns the
+// vector kernels and for NCCL; with 8-bit optimizer state, a multiple of its block too, so that
+// cuts fall on block boundaries), and cut into `world` shards of `shard_numel`: rank r owns the
 // elements [r * shard_numel, (r + 1) * shard_numel). A reduce-scatter of the padded buffer
 // leaves each rank its shard reduced; an all-gather of the shards puts the stepped weights back.
 // A rank steps, and keeps optimizer state for, only the pieces of parameters inside its shard.
@@ -33,7 +34,9 @@ struct ShardLayout {
   int64_t padded = 0;       // the bucket's elements with the padding: world * shard_numel
   int64_t shard_numel = 0;  // elements per shard (a multiple of align)
   int64_t begin = 0;        // this rank's first element in the padded bucket
+  int64_t align = 1;        // shard_numel and begin are multiples of it (the cut's alignment)
   std::vector<ShardPiece> pieces;
+  int64_t world() const { return shard_numel > 0 ? padded / shard_numel : 1; }
 };
 
 // Rank `rank` of `world`'s shard of a bucket of `bucket_numel` elements whose slots start at
@@ -44,9 +47,16 @@ ShardLayout shard_layout(const std::vector<int64_t>& offsets, const std::vector<
                          int64_t bucket_numel, int64_t align, int64_t world, int64_t rank);
 
 // Rank `rank`'s shard of `bucket` (of `params`) among `world` ranks: shard_layout() with shards
-// at least 16 bytes apart (aligned for the vector kernels and for NCCL).
+// at least 16 bytes apart (aligned for the vector kernels and for NCCL) and a multiple of
+// `block` elements (8-bit optimizer state: a slot that starts on a multiple of `block` is cut
+// only on its block boundaries).
 ShardLayout cut_bucket(const Bucket& bucket, const std::vector<at::Tensor>& params, int64_t world,
-                       int64_t rank);
+                       int64_t rank, int64_t block = 1);
+
+// Rank `rank`'s shard of the cut `like` (any rank's shard of `bucket`, of `params`): its pieces
+// for a rank that is not this one (gathered state, checkpoint placement).
+ShardLayout recut(const Bucket& bucket, const std::vector<at::Tensor>& params,
+                  const ShardLayout& like, int64_t rank);
 
 // Starts reducing (summing) `flat`, the padded bucket (1-D, contiguous, `layout.padded`
 // elements), over `group`, so that this rank's shard, `flat`'s elements [begin, begin +
@@ -74,5 +84,10 @@ void pack_shard(const at::Tensor& flat, const ShardLayout& layout,
 // r's shard at [r * shard_numel, (r + 1) * shard_numel).
 c10::intrusive_ptr<c10d::Work> gather_shards(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                              at::Tensor flat, const ShardLayout& layout);
+
+// Starts gathering every rank's `local` (1-D, contiguous, equally long on every rank) into
+// `out` (world times as long): rank r's at [r * local.numel(), (r + 1) * local.numel()).
+c10::intrusive_ptr<c10d::Work> gather_equal(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                            at::Tensor out, at::Tensor local);
 
 }  // namespace leanddp

@@ -12,10 +12,15 @@
 
 namespace leanddp {
 
-void ShardGather::cut_all(std::vector<Bucket>& buckets, const c10d::ProcessGroup& group) {
+void ShardGather::cut_all(std::vector<Bucket>& buckets, const c10d::ProcessGroup& group,
+                          int64_t block, const std::vector<bool>& blocked) {
   shards_.clear();
   for (Bucket& bucket : buckets) {
-    shards_.push_back(cut_bucket(bucket, params_, group.getSize(), group.getRank()));
+    bool any = false;  // (buckets without such a parameter keep the finest cut)
+    for (int64_t p : bucket.params)
+      any = any || (!blocked.empty() && blocked[static_cast<size_t>(p)]);
+    shards_.push_back(
+        cut_bucket(bucket, params_, group.getSize(), group.getRank(), any ? block : 1));
     bucket.padded_numel = shards_.back().padded;
   }
 }

@@ -36,8 +36,11 @@ class ShardGather {
               int rank)
       : params_(params), names_(names), rank_(rank) {}
 
-  // Cuts this rank's shard of every bucket (a new layout) and pads the buckets to it.
-  void cut_all(std::vector<Bucket>& buckets, const c10d::ProcessGroup& group);
+  // Cuts this rank's shard of every bucket (a new layout) and pads the buckets to it; the shards
+  // of a bucket holding a parameter marked in `blocked` (per parameter; may be empty) are
+  // multiples of `block` elements (cut_bucket).
+  void cut_all(std::vector<Bucket>& buckets, const c10d::ProcessGroup& group, int64_t block = 1,
+               const std::vector<bool>& blocked = {});
   // This rank's shard of each bucket (empty until cut_all: not sharded).
   const std::vector<ShardLayout>& shards() const { return shards_; }
 

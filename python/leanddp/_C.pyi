@@ -250,6 +250,8 @@ class ReducerOptions:
     buckets_in_flight: int
     nan_check: NanCheck
     shard_optimizer_state: bool
+    shard_block: int
+    shard_block_names: list[str]
     accumulate_on_host: bool
     max_grad_norm: float | None
     def __init__(self) -> None: ...
@@ -327,6 +329,8 @@ class Reducer:
     def _recycler_reuses(self) -> list[tuple[int, int, bool]]: ...
 
 BUCKETS_IN_FLIGHT: int  # ReducerOptions.buckets_in_flight's default
+MIN_QUANTIZED_8BIT: int  # torchao's fewest elements of a tensor with 8-bit state
+MAX_QUANT_BLOCK: int  # the largest block the 8-bit kernels quantize
 
 # ------------------------------------------------------------------------------------------------
 # Which modes combine (csrc/modes.h)

@@ -94,9 +94,13 @@ class DDPConfig:
     ``_C.check_modes`` accepted at construction; ``register_comm_hook`` asks it again with a
     hook."""
 
-    def reducer_options(self, param_names: Sequence[str]) -> _C.ReducerOptions:
+    def reducer_options(
+        self, param_names: Sequence[str], shard_blocks: tuple[int, Sequence[str]] = (1, ())
+    ) -> _C.ReducerOptions:
         """The C++ Reducer's settings (``_C.ReducerOptions``) for the trainable parameters
-        ``param_names``: the one place each of this configuration's settings reaches it."""
+        ``param_names``: the one place each of this configuration's settings reaches it.
+        ``shard_blocks``: the in-backward optimizer's block size and the parameters it
+        quantizes by blocks (8-bit state, sharded), whose shard cuts fall on block boundaries."""
         from ._extension import _C
 
         options = _C.ReducerOptions()
@@ -109,6 +113,7 @@ class DDPConfig:
         options.sparse_names = [name for name in param_names if name in set(self.sparse_names)]
         options.nan_check = _nan_check(self.check_for_nan_in_grad)
         options.shard_optimizer_state = self.shard_optimizer_state
+        options.shard_block, options.shard_block_names = shard_blocks[0], list(shard_blocks[1])
         options.accumulate_on_host = self.accumulate_on_host
         options.max_grad_norm = self.max_grad_norm
         return options

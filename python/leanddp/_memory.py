@@ -21,7 +21,8 @@ Categories, per rank (the bench measures the same ones):
   (``adamw8bit``) keeps one byte per moment element plus a float32 scale per block of 256
   (``LOWBIT_BYTES`` per element for both moments), except for the tensors it keeps plain
   (``Shape.plain8``: fewer than 4096 elements, or not a multiple of the block), whose moments
-  are in the parameters' dtype (float32 on the host).
+  are in the parameters' dtype (float32 on the host). Sharded, a rank keeps 1/N of the 8-bit
+  moments and room for all the plain ones (every rank's buffers are as long as the longest).
 - ``host_state``, ``host_masters``, ``host_staging``: with ``offload_to_cpu``, the float32
   moments, the float32 master weights and the staging buffers in host memory (for float32
   parameters the copy-back staging buffer is the master itself).
@@ -59,7 +60,7 @@ MOMENTS["adamw8bit"] = 2
 STEP_COUNTER_BYTES["adamw8bit"] = 4  # (float32 tensors on the CPU, as torchao keeps them)
 LOWBIT = ("adamw8bit",)
 QUANT_BLOCK = 256
-QUANT_MIN = 4096
+QUANT_MIN: int = _C.MIN_QUANTIZED_8BIT  # (the kernels' rule, state_spec's)
 #: Bytes per element of an 8-bit tensor's two moments: a code each, and their blocks' scales
 #: (torchao's two 256-entry maps, 2 KiB, are left out).
 LOWBIT_BYTES = 2 * (1 + 4 / QUANT_BLOCK)
@@ -153,9 +154,11 @@ class Shape:
     def largest_bucket(self) -> int:
         return max((b for b, _ in self.buckets), default=0)
 
-    def padded(self, world: int) -> tuple[tuple[int, int], ...]:
-        """Each bucket padded to ``world`` equal shards of whole 16-byte units."""
-        unit = SHARD_ALIGN_BYTES * world
+    def padded(self, world: int, block: int = 1) -> tuple[tuple[int, int], ...]:
+        """Each bucket padded to ``world`` equal shards of whole 16-byte units, and of whole
+        blocks of ``block`` elements (8-bit state: the cuts fall on block boundaries)."""
+        align = SHARD_ALIGN_BYTES // self.element_size if self.element_size else 1
+        unit = math.lcm(max(align, 1), block) * self.element_size * world
         return tuple((math.ceil(b / unit) * unit, n) for b, n in self.buckets)
 
     @classmethod
@@ -199,6 +202,8 @@ LOWBIT_CONFIGS = {
     "torch DDP + AdamW8bit": "torch DDP",
     "leanddp in-backward 8-bit": "leanddp + optimizer_in_backward",
     "leanddp offload 8-bit": "leanddp + offload_to_cpu",
+    "leanddp in-backward sharded 8-bit": "leanddp in-backward sharded",
+    "leanddp offload sharded 8-bit": "leanddp offload sharded",
 }
 
 
@@ -240,15 +245,16 @@ def estimate(
     clipping (``max_grad_norm``), on a GPU (``device_ordered``) or the CPU."""
     if optimizer not in MOMENTS:
         raise ValueError(f"optimizer must be one of {sorted(MOMENTS)}, got {optimizer!r}")
-    if optimizer in LOWBIT and mode.shard:
-        raise ValueError(f"{mode.name}: shard_optimizer_state does not shard 8-bit state")
     if world_size < 1 or accumulation < 1:
         raise ValueError(
             f"world_size and accumulation must be at least 1, got {world_size} and {accumulation}"
         )
     p = shape.element_size
     moments = MOMENTS[optimizer]
-    buckets = shape.padded(world_size) if mode.shard else shape.buckets
+    lowbit = optimizer in LOWBIT
+    buckets = (
+        shape.padded(world_size, QUANT_BLOCK if lowbit else 1) if mode.shard else shape.buckets
+    )
     largest = max((b for b, _ in buckets), default=0)
     held = sum(b * n for b, n in buckets) if buckets else shape.numel * p  # every bucket
     counters = STEP_COUNTER_BYTES[optimizer] * shape.tensors
@@ -281,8 +287,11 @@ def estimate(
         if mode.shard
         else shape.numel
     )
-    if optimizer in LOWBIT:  # (never sharded) the 8-bit moments, the plain ones in their dtype
-        quantized = shape.numel - shape.plain8
+    if lowbit:  # the 8-bit moments, the plain ones in their dtype
+        quantized: float = shape.numel - shape.plain8
+        # (sharded: the quantized tensors' share; the plain ones, which come last in their
+        # buckets, are counted whole, as every rank keeps room for the most any rank holds)
+        quantized = quantized / world_size if mode.shard else quantized
         plain = shape.plain8 * moments * (HOST_STATE_BYTES if mode.offload else p)
         state = quantized * LOWBIT_BYTES + plain
     else:

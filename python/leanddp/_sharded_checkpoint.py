@@ -4,7 +4,9 @@ Every rank saves and loads its own shard of the optimizer state; nothing is gath
 model whose whole state fits no single host can still be checkpointed. Each parameter's state
 tensor (``exp_avg``/``exp_avg_sq`` or ``momentum_buffer``; with offload_to_cpu also the float32
 ``master_weight`` of a bfloat16/float16 parameter) is a ShardedTensor of the parameter's
-``numel`` elements (the parameter seen 1-D in its memory order). Its local shard on a rank is
+``numel`` elements (the parameter seen 1-D in its memory order); torchao's 8-bit state is its
+uint8 codes under those keys and their float32 scales under ``exp_avg.scale`` and
+``exp_avg_sq.scale``, one per block (the shards cut whole blocks). Its local shard on a rank is
 that rank's piece of it: a live view of leanddp's state buffer, so DCP writes straight from the
 buffers and loads straight into them. A piece is placed by its position in the parameter, not in
 a bucket, so a checkpoint loads at another world size or bucket size (DCP reads what overlaps).
@@ -59,17 +61,22 @@ def sharded_state_dict(
             continue
         entry: dict[str, Any] = {"step": torch.tensor(float(steps[p]))}
         rule = link.view.spec(p)
-        for key in (key for key in rule.keys if key != "step"):  # (the count is not sharded)
+        keys = [key for key in rule.keys if key != "step"]  # (the count is not sharded)
+        if rule.quantized:  # 8-bit codes, then their scales: one per block, cut with them
+            keys += [f"{key}.scale" for key in rule.buffers]
+        for key in keys:
+            scale = key.endswith(".scale")
+            unit = rule.block if scale else 1
             shards = []
             metadata = []
             for rank, offset, numel in pieces:
                 where = f"rank:{ranks[rank]}/{rule.device}"
-                metadata.append(ShardMetadata([offset], [numel], where))
+                metadata.append(ShardMetadata([offset // unit], [numel // unit], where))
                 if ranks[rank] == dist.get_rank():
                     shards.append(Shard(local[(p, key)], metadata[-1]))
-            properties = TensorProperties(dtype=rule.dtype)
+            dtype = torch.float32 if scale or key == "master_weight" else rule.dtype
             global_metadata = ShardedTensorMetadata(
-                metadata, torch.Size([params[p].numel()]), properties
+                metadata, torch.Size([params[p].numel() // unit]), TensorProperties(dtype=dtype)
             )
             entry[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
                 shards, global_metadata, process_group=group

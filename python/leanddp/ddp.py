@@ -277,7 +277,10 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self._params,
             self._param_names,
             self.process_group,
-            self._config.reducer_options(self._param_names),
+            self._config.reducer_options(
+                self._param_names,
+                self._in_backward.shard_blocks() if self._in_backward is not None else (1, ()),
+            ),
         )
         _lifetime.close_at_end(self, self.reducer)
         self.logger.attach(self.reducer, self._params)

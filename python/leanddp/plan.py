@@ -221,10 +221,7 @@ def plan(
         reserve_gb=reserve_gb,
     )
     estimates, fits, largest = [], {}, {}
-    # (8-bit state is not sharded: the sharded configurations are left out unless asked for,
-    # which the memory model refuses)
-    default = [n for n in modes if not (optimizer in _memory.LOWBIT and modes[n].shard)]
-    for name in configs or default:
+    for name in configs or list(modes):
         of = _estimator(modes[name], optimizer, world_size, accumulation, clip, device == "cuda")
         layout = shapes[modes[name].keeps_first_layout]
         e = of(layout)

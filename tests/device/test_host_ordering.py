@@ -75,30 +75,37 @@ def test_in_backward_and_offload_take_the_device_branches() -> None:
 
 
 def _lowbit(rank: int, world_size: int) -> None:
-    """torchao's AdamW8bit stepped by leanddp's 8-bit kernels, in-backward and offloaded, tiny
-    buckets and accumulation: equal to torch's DDP + AdamW8bit bit for bit (parameters, codes,
-    scales), through the side stream and offload's copy events."""
+    """torchao's AdamW8bit stepped by leanddp's 8-bit kernels, in-backward and offloaded, whole
+    or sharded, tiny buckets and accumulation: equal to torch's DDP + AdamW8bit bit for bit
+    (parameters, codes, scales; sharded, gathered by state_dict()), through the side stream,
+    offload's copy events and the sharded gathers on the side stream."""
     from lowbit_models import Quantizable, assert_torchao_state_equal
     from torchao.optim import AdamW8bit
 
     factory = functools.partial(AdamW8bit, lr=1e-2, weight_decay=0.1)
-    for offload in (False, True):
-        what = f"host-ordered 8-bit offload={offload}"
+    for offload, sharded in itertools.product((False, True), (False, True)):
+        what = f"host-ordered 8-bit offload={offload} sharded={sharded}"
         before = _C._testing.host_ordering_counts()
         torch.manual_seed(0)
         run = host_ordered(
-            lambda offload=offload: InBackwardLockStep(
-                Quantizable(), factory, offload=offload, bucket_cap_mb=0.02, fused_reference=False
+            lambda offload=offload, sharded=sharded: InBackwardLockStep(
+                Quantizable(),
+                factory,
+                offload=offload,
+                bucket_cap_mb=0.02,
+                fused_reference=False,
+                ours_kwargs=dict(shard_optimizer_state=sharded),
             )
         )
+        torch.manual_seed(1 + rank)
         for step in range(STEPS):
             run.step([torch.randn(6, Quantizable.IN) for _ in range(2)])
             for name, a, b in run.pairs():
                 assert torch.equal(a, b), f"{what} step {step} {name}"
-        pairs = zip(run.ref.module.parameters(), run.ours.module.parameters(), strict=True)
-        for p_ref, p_ours in pairs:
-            ours, ref = run.ours.optimizer.state[p_ours], run.ref_opt.state[p_ref]
-            assert_torchao_state_equal(ours, ref, f"{what} {tuple(p_ours.shape)}")
+        ours, ref = run.ours.optimizer.state_dict()["state"], run.ref_opt.state_dict()["state"]
+        assert ours.keys() == ref.keys(), what
+        for index, entry in ref.items():
+            assert_torchao_state_equal(ours[index], entry, f"{what} {index}")
         assert run.ours._in_backward.fallback.calls == 0, what
         counts_moved(before, what, "streams", "records", "blocks", "synchronizes")
 

@@ -17,7 +17,7 @@ from ddp_models import accumulate
 from dist_harness import run_ranks
 from fault_models import Poison, nan_gradients
 from in_backward_models import InBackwardLockStep, grouped, round_trip
-from lowbit_models import Quantizable, assert_torchao_state_equal
+from lowbit_models import Quantizable, assert_torchao_state_equal, resume_both_ways
 
 import leanddp
 
@@ -195,55 +195,17 @@ def test_cuda_parity_with_torch_ddp_and_torchao() -> None:
     run_ranks(1, _parity, "cuda", backend="nccl")
 
 
-def _checkpoints(rank: int, world_size: int, offload: bool) -> None:
-    """A run that never stops against one resumed at step 2 from the other side's checkpoint:
-    torchao's optimizer on torch's DDP loads leanddp's ``optimizer.state_dict()``, leanddp loads
-    torchao's; from there all four runs stay equal bit for bit."""
-    from torchao.optim.subclass_8bit import OptimState8bit
-
-    torch.manual_seed(0)
-    model = Quantizable()
-    data = [[torch.randn(BATCH, Quantizable.IN) for _ in range(2)] for _ in range(4)]
-    kw = dict(with_scheduler=False, fused_reference=False, offload=offload)
-    whole = InBackwardLockStep(model, ADAMW8, **kw)
-    for batches in data[:2]:
-        whole.step(batches)
-    ours_saved = round_trip(whole.ours.optimizer.state_dict())
-    ref_saved = round_trip(whole.ref_opt.state_dict())
-    kinds = [type(e["exp_avg"]) for e in ours_saved["state"].values()]
-    assert kinds.count(OptimState8bit) == 2, f"leanddp's checkpoint is not torchao's: {kinds}"
-    model.load_state_dict(whole.ours.module.state_dict())
-    resumed = InBackwardLockStep(model, ADAMW8, **kw)
-    resumed.ref_opt.load_state_dict(ours_saved)  # leanddp -> torchao
-    resumed.ours.optimizer.load_state_dict(ref_saved)  # torchao -> leanddp
-    for step, batches in enumerate(data[2:], start=2):
-        whole.step(batches)
-        resumed.step(batches)
-        runs = {"whole": whole, "resumed": resumed}
-        for run_name, run in runs.items():
-            for pname, a, b in run.pairs():
-                assert torch.equal(a, b), f"{run_name} step {step} {pname}"
-        for (pname, a, _), (_, _, b) in zip(whole.pairs(), resumed.pairs(), strict=True):
-            assert torch.equal(a, b), f"step {step} {pname}: resumed differs from never stopping"
-        for p_whole, p_resumed in zip(
-            whole.ours.module.parameters(), resumed.ours.module.parameters(), strict=True
-        ):
-            assert_torchao_state_equal(
-                resumed.ours.optimizer.state[p_resumed],
-                whole.ours.optimizer.state[p_whole],
-                f"step {step} {tuple(p_whole.shape)}",
-            )
-
-
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
 def test_checkpoints_both_ways_resume_exactly(offload: bool) -> None:
-    run_ranks(2, _checkpoints, offload)
+    """torchao's optimizer on torch's DDP loads leanddp's checkpoint and the other way round;
+    resuming equals never stopping, bit for bit."""
+    run_ranks(2, resume_both_ways, ADAMW8, offload)
 
 
-def _float_checkpoint(rank: int, world_size: int) -> None:
-    """torch's AdamW checkpoint (float32 moments) loaded into the 8-bit optimizer: the moments
-    of 8-bit parameters are quantized as torchao's quantizer does, the others kept, and the
-    training goes on from there."""
+def _float_checkpoint(rank: int, world_size: int, sharded: bool) -> None:
+    """torch's AdamW checkpoint (float32 moments) loaded into the 8-bit optimizer (its state
+    whole, or each rank's shard of it): the moments of 8-bit parameters are quantized as
+    torchao's quantizer does, the others kept, and the training goes on from there."""
     from torchao.optim.subclass_8bit import OptimState8bit
 
     torch.manual_seed(0)
@@ -253,10 +215,13 @@ def _float_checkpoint(rank: int, world_size: int) -> None:
         model(torch.randn(BATCH, Quantizable.IN)).square().mean().backward()
         plain.step()
     saved = round_trip(plain.state_dict())
-    ours = leanddp.DistributedDataParallel(model, optimizer_in_backward=ADAMW8)
+    ours = leanddp.DistributedDataParallel(
+        model, optimizer_in_backward=ADAMW8, shard_optimizer_state=sharded
+    )
     ours.optimizer.load_state_dict(saved)
-    for p, entry in zip(model.parameters(), saved["state"].values(), strict=True):
-        state = ours.optimizer.state[p]
+    states = ours.optimizer.state_dict()["state"]  # (gathered from the shards, sharded)
+    for (i, entry), p in zip(saved["state"].items(), model.parameters(), strict=True):
+        state = states[i]
         assert float(state["step"]) == float(entry["step"])
         for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
             if p.numel() < 4096:
@@ -269,22 +234,28 @@ def _float_checkpoint(rank: int, world_size: int) -> None:
             assert torch.equal(state[key].scale, expected.scale), key
     before = [p.detach().clone() for p in ours.module.parameters()]
     ours(torch.randn(BATCH, Quantizable.IN)).square().mean().backward()
-    for p, old in zip(ours.module.parameters(), before, strict=True):
+    states = ours.optimizer.state_dict()["state"]
+    for (i, p), old in zip(enumerate(ours.module.parameters()), before, strict=True):
         assert torch.isfinite(p).all() and not torch.equal(p, old)
-        assert float(ours.optimizer.state[p]["step"]) == 3.0
+        assert float(states[i]["step"]) == 3.0
 
 
-def test_float_checkpoint_is_quantized_on_load() -> None:
-    run_ranks(2, _float_checkpoint)
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
+def test_float_checkpoint_is_quantized_on_load(sharded: bool) -> None:
+    run_ranks(2, _float_checkpoint, sharded)
 
 
 def _refused(rank: int, world_size: int) -> None:
     """What the 8-bit kernels do not step is refused before any state changes where no fallback
-    exists (shard_optimizer_state, offload_to_cpu with an option the kernels do not implement,
-    a GradScaler), and stepped by torchao's own step per bucket on the device."""
+    exists (shard_optimizer_state with a parameter that is not contiguous, offload_to_cpu with an
+    option the kernels do not implement, a GradScaler), and stepped by torchao's own step per
+    bucket on the device."""
     model = Quantizable()
+    with pytest.raises(ValueError, match="shard_optimizer_state needs contiguous parameters"):
+        leanddp.DistributedDataParallel(
+            _WithTransposed(), optimizer_in_backward=ADAMW8, shard_optimizer_state=True
+        )
     cases = [
-        (dict(shard_optimizer_state=True), ADAMW8, "shard_optimizer_state does not shard 8-bit"),
         (
             dict(offload_to_cpu=True),
             functools.partial(torchao_optim.AdamW8bit, amsgrad=True),

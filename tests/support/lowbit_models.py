@@ -132,3 +132,42 @@ def assert_torchao_state_equal(ours: dict, ref: dict, what: str, exact: bool = T
             assert torch.equal(a.scale, b.scale), f"{what} {key}: scales differ"
         else:
             assert torch.equal(a, b), f"{what} {key}: values differ"
+
+
+def resume_both_ways(
+    rank: int, world_size: int, factory, offload: bool, ours_kwargs: dict | None = None
+) -> None:
+    """A run that never stops against one resumed at step 2 from the other side's checkpoint:
+    torchao's optimizer on torch's DDP loads leanddp's ``optimizer.state_dict()`` (gathered, with
+    ``ours_kwargs`` sharding it), leanddp loads torchao's; from there all four runs stay equal bit
+    for bit, on each rank's own data, and so do the two leanddp runs' states."""
+    from in_backward_models import InBackwardLockStep, round_trip
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    torch.manual_seed(0)
+    model = Quantizable()
+    torch.manual_seed(1 + rank)
+    data = [[torch.randn(6, Quantizable.IN) for _ in range(2)] for _ in range(4)]
+    kw = dict(with_scheduler=False, fused_reference=False, offload=offload, ours_kwargs=ours_kwargs)
+    whole = InBackwardLockStep(model, factory, **kw)
+    for batches in data[:2]:
+        whole.step(batches)
+    ours_saved = round_trip(whole.ours.optimizer.state_dict())
+    ref_saved = round_trip(whole.ref_opt.state_dict())
+    kinds = [type(e["exp_avg"]) for e in ours_saved["state"].values()]
+    assert kinds.count(OptimState8bit) == 2, f"leanddp's checkpoint is not torchao's: {kinds}"
+    model.load_state_dict(whole.ours.module.state_dict())
+    resumed = InBackwardLockStep(model, factory, **kw)
+    resumed.ref_opt.load_state_dict(ours_saved)  # leanddp -> torchao
+    resumed.ours.optimizer.load_state_dict(ref_saved)  # torchao -> leanddp
+    for step, batches in enumerate(data[2:], start=2):
+        whole.step(batches)
+        resumed.step(batches)
+        for run_name, run in {"whole": whole, "resumed": resumed}.items():
+            for pname, a, b in run.pairs():
+                assert torch.equal(a, b), f"{run_name} step {step} {pname}"
+        for (pname, a, _), (_, _, b) in zip(whole.pairs(), resumed.pairs(), strict=True):
+            assert torch.equal(a, b), f"step {step} {pname}: resumed differs from never stopping"
+        never = whole.ours.optimizer.state_dict()["state"]
+        for index, entry in resumed.ours.optimizer.state_dict()["state"].items():
+            assert_torchao_state_equal(entry, never[index], f"step {step} {index}")

@@ -50,10 +50,13 @@ def doc_table(header: str = "| configuration |") -> list[list[str]]:
 
 
 #: docs/memory.md's 8-bit table rows, in order, and the configuration each describes
+#: (and the world size: the sharded rows are at 8 ranks)
 LOWBIT_ROWS = [
-    ("torch's DDP + `AdamW8bit`", "torch DDP"),
-    ("+ `optimizer_in_backward`", "leanddp + optimizer_in_backward"),
-    ("+ `offload_to_cpu`", "leanddp + offload_to_cpu"),
+    ("torch's DDP + `AdamW8bit`", "torch DDP", 1),
+    ("+ `optimizer_in_backward`", "leanddp + optimizer_in_backward", 1),
+    ("+ `offload_to_cpu`", "leanddp + offload_to_cpu", 1),
+    ("+ `shard_optimizer_state` (8 ranks)", "leanddp in-backward sharded", 8),
+    ("+ `shard_optimizer_state` + `offload_to_cpu` (8 ranks)", "leanddp offload sharded", 8),
 ]
 
 
@@ -61,20 +64,18 @@ def test_docs_8bit_table_is_the_memory_model() -> None:
     """docs/memory.md's 8-bit table: bytes per parameter of torchao's AdamW8bit state for
     float32 and bfloat16 parameters (device) and on the host, as the memory model has them."""
     rows = doc_table("| configuration, 8-bit state |")
-    assert [r[0] for r in rows] == [name for name, _ in LOWBIT_ROWS]
+    assert [r[0] for r in rows] == [name for name, _, _ in LOWBIT_ROWS]
 
     def figure(cell: str) -> float:
         return float(re.search(r"([\d.]+) B", cell).group(1))
 
-    for row, (_, name) in zip(rows, LOWBIT_ROWS, strict=True):
-        fp32, bf16 = (_memory.per_parameter(MODES[name], e, "adamw8bit") for e in (4, 2))
+    for row, (_, name, world) in zip(rows, LOWBIT_ROWS, strict=True):
+        fp32, bf16 = (_memory.per_parameter(MODES[name], e, "adamw8bit", world) for e in (4, 2))
         assert figure(row[1]) == round(fp32[0], 2), name
         assert figure(row[2]) == round(bf16[0], 2), name
         host = "—" if fp32[1] == 0 else f"{fp32[1]:.2f} B"
         assert row[3] == host or row[3].startswith(f"**{host}**"), (name, row[3])
         assert fp32[1] == bf16[1], name
-    with pytest.raises(ValueError, match="does not shard 8-bit"):
-        _memory.per_parameter(MODES["leanddp in-backward sharded"], 4, "adamw8bit")
 
 
 def test_plan_counts_the_tensors_torchao_keeps_plain() -> None:

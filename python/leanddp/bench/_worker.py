@@ -75,6 +75,8 @@ CONFIGS = {
     LOWBIT_CONFIGS[0]: Config("torch", False, False, False, lowbit=True),
     LOWBIT_CONFIGS[1]: Config("leanddp", True, True, False, lowbit=True),
     LOWBIT_CONFIGS[2]: Config("leanddp", True, True, True, lowbit=True),
+    LOWBIT_CONFIGS[3]: Config("leanddp", True, True, False, shard=True, lowbit=True),
+    LOWBIT_CONFIGS[4]: Config("leanddp", True, True, True, shard=True, lowbit=True),
 }
 
 

@@ -123,12 +123,6 @@ def check_fused(
             f"{type(optimizer).__name__}"
             + (f" with {option} set" if fused_kind(type(optimizer)) is not None else "")
         )
-    if kind == _C.OptimKind.adam8bit and what == "shard_optimizer_state":
-        fail(
-            f"{what} does not shard 8-bit optimizer state ({type(optimizer).__name__}); the 8-bit "
-            "state is kept whole on every rank (optimizer_in_backward, with or without "
-            "offload_to_cpu)"
-        )
     block = _lowbit.block_size(optimizer) if kind == _C.OptimKind.adam8bit else 0
     for name, p in trainable:
         spec = _C.state_spec(kind, p, on_host=contiguous, momentum=False, block=block)

@@ -288,7 +288,19 @@ class InBackward:
         every rank's shard (a collective: every rank calls it and gets the whole state)."""
         assert self.core is not None  # (optimizer.state_dict() of a live wrapper's optimizer)
         entries = self.core.gathered_state()
-        return {p: dict(e) for p, e in zip(self.params, entries, strict=True) if e}
+        pairs = enumerate(zip(self.params, entries, strict=True))
+        return {p: self.view.entry(i, e) for i, (p, e) in pairs if e}
+
+    def shard_blocks(self) -> tuple[int, list[str]]:
+        """shard_optimizer_state with 8-bit state: its block size and the parameters (by name)
+        quantized by blocks of it, whose shard cuts must fall on block boundaries
+        (``_C.ReducerOptions.shard_block``); else ``(1, [])``."""
+        if not self.sharded or self.kind != _C.OptimKind.adam8bit:
+            return 1, []
+        quantized = [
+            self.view.names[i] for i in range(len(self.params)) if self.view.spec(i).quantized
+        ]
+        return self.view.block, quantized
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (fused buffers and fallback state alike; this rank's

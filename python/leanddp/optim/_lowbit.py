@@ -23,7 +23,7 @@ from torch import Tensor
 from .._extension import _C
 
 #: The largest block the 8-bit kernels quantize (csrc/ops/optim8_math.h's kMaxQuantBlock).
-MAX_BLOCK = 4096
+MAX_BLOCK: int = _C.MAX_QUANT_BLOCK
 
 
 def _classes() -> dict[type, bool]:

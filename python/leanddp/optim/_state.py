@@ -76,6 +76,14 @@ class StateView:
             self.kind, self.params[i], on_host=self.offload, momentum=momentum, block=self.block
         )
 
+    def entry(self, i: int, entries: Sequence[tuple[str, Tensor]]) -> dict[str, Any]:
+        """Parameter ``i``'s fused state ``entries`` (``_C.InBackwardOptimizer.state``, or
+        gathered from the shards) as its ``optimizer.state`` entry: torch's format, or for the
+        8-bit kind torchao's (:func:`_lowbit.to_torchao`)."""
+        if self.kind == _C.OptimKind.adam8bit:
+            return _lowbit.to_torchao(entries, self.spec(i), self.params[i])
+        return dict(entries)
+
     @property
     def state(self) -> dict[Any, dict[str, Any]]:
         state: dict[Any, dict[str, Any]] = self.optimizer.__dict__["state"]
@@ -98,11 +106,7 @@ class StateView:
             elif self.fused[i]:
                 entries = core.state(i)
                 if entries:
-                    entry = (
-                        _lowbit.to_torchao(entries, self.spec(i), p)
-                        if self.kind == _C.OptimKind.adam8bit
-                        else dict(entries)
-                    )
+                    entry = self.entry(i, entries)
                     state[p] = entry
                     self.given[i] = (entry, tuple(entry.values()))
         self.generation = generation
