@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import copy
 import functools
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from ddp_models import accumulate
 from dist_harness import run_ranks
 from fault_models import Poison, nan_gradients
@@ -200,6 +203,48 @@ def test_checkpoints_both_ways_resume_exactly(offload: bool) -> None:
     """torchao's optimizer on torch's DDP loads leanddp's checkpoint and the other way round;
     resuming equals never stopping, bit for bit."""
     run_ranks(2, resume_both_ways, ADAMW8, offload)
+
+
+def _dcp(rank: int, world_size: int, path: Path) -> None:
+    """``optimizer.state_dict()`` (torchao's 8-bit tensors over leanddp's buffers) through
+    torch.distributed.checkpoint: saved at step 2 and loaded, as dcp loads, in place into a
+    wrapper's own state dict (one that has state: a step taken), then load_state_dict(); from
+    there it equals the run that never stopped, bit for bit (weights and state)."""
+    torch.manual_seed(0)
+    model = Quantizable()
+    torch.manual_seed(1 + rank)
+    data = [torch.randn(BATCH, Quantizable.IN) for _ in range(5)]
+
+    def wrap() -> leanddp.DistributedDataParallel:
+        return leanddp.DistributedDataParallel(
+            copy.deepcopy(model), optimizer_in_backward=ADAMW8, process_group=dist.new_group()
+        )
+
+    never = wrap()
+    for x in data[:2]:
+        never(x).square().mean().backward()
+    dcp.save(
+        {"optim": never.optimizer.state_dict(), "model": never.module.state_dict()},
+        checkpoint_id=path,
+    )
+    resumed = wrap()
+    resumed(data[4]).square().mean().backward()  # (its own state, which the load replaces)
+    template = {"optim": resumed.optimizer.state_dict(), "model": resumed.module.state_dict()}
+    dcp.load(template, checkpoint_id=path)
+    resumed.module.load_state_dict(template["model"])
+    resumed.optimizer.load_state_dict(template["optim"])
+    for step, x in enumerate(data[2:4], start=2):
+        for ddp in (never, resumed):
+            ddp(x).square().mean().backward()
+        pairs = zip(never.module.parameters(), resumed.module.parameters(), strict=True)
+        for a, b in pairs:
+            assert torch.equal(a, b), f"step {step} {tuple(a.shape)}"
+            state = resumed.optimizer.state[b]
+            assert_torchao_state_equal(state, never.optimizer.state[a], f"step {step}")
+
+
+def test_dcp_resumes_exactly(tmp_path: Path) -> None:
+    run_ranks(2, _dcp, tmp_path)
 
 
 def _float_checkpoint(rank: int, world_size: int, sharded: bool) -> None:

@@ -131,6 +131,40 @@ def test_parity_with_torch_ddp_and_torchao(world_size: int) -> None:
     run_ranks(world_size, _parity)
 
 
+class _WithUnused(Quantizable):
+    """Quantizable and a 64 x 64 layer (an 8-bit weight, a plain bias) its forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.never = torch.nn.Linear(64, 64)
+
+
+def _unused(rank: int, world_size: int) -> None:
+    """Parameters without gradients (find_unused_parameters; a static graph, whose buckets are
+    rebuilt after the first iteration, moving the shards' state): never stepped, as torchao skips
+    them, the others bit for bit."""
+    for kwargs in (dict(find_unused_parameters=True), dict(static_graph=True)):
+        torch.manual_seed(0)
+        model = _WithUnused()
+        torch.manual_seed(1 + rank)
+        run = InBackwardLockStep(
+            model, ADAMW8, fused_reference=False, bucket_cap_mb=0.02, ours_kwargs=SHARD, **kwargs
+        )
+        for step in range(STEPS):
+            run.step([torch.randn(BATCH, Quantizable.IN)])
+            for pname, a, b in run.pairs():
+                assert torch.equal(a, b), f"{kwargs} step {step} {pname}"
+        ours, ref = run.ours.optimizer.state_dict()["state"], run.ref_opt.state_dict()["state"]
+        assert ours.keys() == ref.keys() and len(ref) == 4, f"{kwargs}: {sorted(ours)}"
+        for index, entry in ref.items():
+            assert_torchao_state_equal(ours[index], entry, f"{kwargs} {index}")
+        assert torch.equal(run.ours.module.never.weight, model.never.weight), kwargs
+
+
+def test_unused_parameters_are_not_stepped() -> None:
+    run_ranks(2, _unused)
+
+
 def _offload_bf16(rank: int, world_size: int) -> None:
     """bfloat16 parameters with offload_to_cpu: the host steps float32 masters with 8-bit state,
     shard by shard, exactly as the unsharded host steps them (which equal torchao stepping
