@@ -83,6 +83,7 @@ GPU_CASES="cuda or gpu"
 PYTEST_ARGS=(-k "$GPU_CASES" "${OPS_TESTS[@]}" tests/offload/test_offload.py
   tests/offload/test_host_accumulation.py tests/offload/test_forward_waits.py
   tests/in_backward/test_in_backward_lowp.py tests/in_backward/test_lowbit_in_backward.py
+  tests/shard/test_shard_lowbit.py
   "${DDP_TESTS[@]}")
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
