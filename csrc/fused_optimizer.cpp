@@ -213,8 +213,7 @@ void FusedOptimizer::step(size_t index, const Bucket& bucket, const std::vector<
       const size_t s = piece.slot;
       if (!mask[s]) continue;
       const auto cut = [&](const at::Tensor& t) {
-        if (!t.defined() || targets.cut) return t;
-        return memory_1d(t).narrow(0, piece.slot_offset, piece.numel);
+        return !t.defined() || targets.cut ? t : piece_of(t, piece);
       };
       // (the whole parameter's numel; the width of the dtype stepped, the host masters' with
       // offload_to_cpu)

@@ -161,8 +161,7 @@ void FusedOptimizer::step8(size_t index, const Bucket& bucket, const std::vector
   const at::Tensor no_scale = at::empty({0}, state_options_.dtype(at::kFloat));
   // A member's part of a per-slot target: whole, or its piece (as step() cuts them).
   const auto cut = [&](const at::Tensor& t, const ShardPiece& member) {
-    if (!sharded() || targets.cut || !t.defined()) return t;
-    return memory_1d(t).narrow(0, member.slot_offset, member.numel);
+    return !sharded() || targets.cut || !t.defined() ? t : piece_of(t, member);
   };
   // Members sharing a group and a step count are stepped by one kernel launch.
   std::map<std::pair<int64_t, int64_t>, std::vector<size_t>> calls;

@@ -18,6 +18,19 @@ namespace {
 
 using torch::autograd::variable_list;
 
+// Per parameter (named `all`): whether `names`, the ReducerOptions list `what`, names it; raises
+// on a name of no trained parameter.
+std::vector<bool> named_in(const std::vector<std::string>& all,
+                           const std::vector<std::string>& names, const char* what) {
+  std::vector<bool> out(all.size(), false);
+  for (const std::string& name : names) {
+    const auto it = std::find(all.begin(), all.end(), name);
+    TORCH_CHECK(it != all.end(), "Reducer: ", what, " names no trained parameter: ", name);
+    out[static_cast<size_t>(it - all.begin())] = true;
+  }
+  return out;
+}
+
 }  // namespace
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
@@ -34,23 +47,14 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   TORCH_CHECK(names_.size() == params_.size(), "Reducer: one name per parameter");
   TORCH_CHECK(process_group_, "Reducer: no process group");
   div_factor_ = static_cast<double>(process_group_->getSize());
-  sparse_.assign(params_.size(), false);
-  for (const std::string& name : options_.sparse_names) {
-    const auto it = std::find(names_.begin(), names_.end(), name);
-    TORCH_CHECK(it != names_.end(), "Reducer: sparse_names names no trained parameter: ", name);
-    sparse_[static_cast<size_t>(it - names_.begin())] = true;
-  }
+  sparse_ = named_in(names_, options_.sparse_names, "sparse_names");
   TORCH_CHECK(options_.shard_block >= 1, "Reducer: shard_block must be at least 1, got ",
               options_.shard_block);
-  blocked_.assign(params_.size(), false);
-  for (const std::string& name : options_.shard_block_names) {
-    const auto it = std::find(names_.begin(), names_.end(), name);
-    TORCH_CHECK(it != names_.end(),
-                "Reducer: shard_block_names names no trained parameter: ", name);
-    const auto p = static_cast<size_t>(it - names_.begin());
-    TORCH_CHECK(params_[p].numel() % options_.shard_block == 0, "Reducer: parameter ", name, " (",
-                params_[p].numel(), " elements) is not made of blocks of ", options_.shard_block);
-    blocked_[p] = true;
+  blocked_ = named_in(names_, options_.shard_block_names, "shard_block_names");
+  for (size_t p = 0; p < params_.size(); ++p) {
+    TORCH_CHECK(!blocked_[p] || params_[p].numel() % options_.shard_block == 0,
+                "Reducer: parameter ", names_[p], " (", params_[p].numel(),
+                " elements) is not made of blocks of ", options_.shard_block);
   }
   if (window_.device_ordered()) {
     const c10::Device device = params_.front().device();

@@ -39,6 +39,12 @@ struct ShardLayout {
   int64_t world() const { return shard_numel > 0 ? padded / shard_numel : 1; }
 };
 
+// `t` (one slot's tensor, dense and non-overlapping) cut to `piece` of the slot: its elements
+// [slot_offset, slot_offset + numel) in memory order, 1-D.
+inline at::Tensor piece_of(const at::Tensor& t, const ShardPiece& piece) {
+  return memory_1d(t).narrow(0, piece.slot_offset, piece.numel);
+}
+
 // Rank `rank` of `world`'s shard of a bucket of `bucket_numel` elements whose slots start at
 // `offsets` and hold `numels` elements (in layout order, not overlapping, inside the bucket).
 // Raises, naming the argument, on a world size below 1, a rank outside [0, world), an align

@@ -72,12 +72,11 @@ CONFIGS = {
     SHARDED: Config("leanddp", True, True, False, shard=True),
     SHARDED_OFFLOAD: Config("leanddp", True, True, True, shard=True),
     DEVICE_ACCUMULATION: Config("leanddp", True, True, True, on_host=False),
-    LOWBIT_CONFIGS[0]: Config("torch", False, False, False, lowbit=True),
-    LOWBIT_CONFIGS[1]: Config("leanddp", True, True, False, lowbit=True),
-    LOWBIT_CONFIGS[2]: Config("leanddp", True, True, True, lowbit=True),
-    LOWBIT_CONFIGS[3]: Config("leanddp", True, True, False, shard=True, lowbit=True),
-    LOWBIT_CONFIGS[4]: Config("leanddp", True, True, True, shard=True, lowbit=True),
 }
+# each 8-bit configuration: the configuration it runs as, with torchao's AdamW8bit
+CONFIGS.update(
+    {name: CONFIGS[mode]._replace(lowbit=True) for name, mode in _memory.LOWBIT_CONFIGS.items()}
+)
 
 
 def anchor_of(name: str) -> str:
