@@ -159,10 +159,12 @@ def _hangs(rank: int, world_size: int) -> None:
     threading.Thread(target=threading.Event().wait).start()  # a thread the exit waits for
 
 
-def test_a_rank_that_does_not_end_is_killed_at_the_deadline(monkeypatch) -> None:
+def test_a_rank_that_does_not_end_is_killed_at_the_deadline(monkeypatch, capfd) -> None:
     monkeypatch.setattr(dist_harness, "RANK_DEADLINE_S", 3.0)
     with pytest.raises(TimeoutError, match="_hangs: 1 rank"):
         run_ranks(1, _hangs)
+    err = capfd.readouterr().err  # the stacks, under their rank: the thread the exit waits for
+    assert "--- rank 0's threads at the deadline ---" in err and " in wait\n" in err, err[-3000:]
 
 
 @pytest.mark.parametrize("where", ["fn", "teardown", "exit handler"])

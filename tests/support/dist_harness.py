@@ -5,8 +5,9 @@ default group (gloo, or ``backend=``) on a fresh TCP port and calls
 ``fn(rank, world_size, *args)``. ``fn`` must be a module-level function (it is pickled by
 name). A failure on any rank fails the test with that rank's traceback. A hang in a collective
 is cut off by the process group timeout; any other hang (a thread the exit waits for, a lock)
-by ``RANK_DEADLINE_S``: the ranks print every thread's stack (faulthandler), are killed, and
-the test fails with ``TimeoutError``.
+by ``RANK_DEADLINE_S``: the ranks write every thread's stack (faulthandler, to a file per rank),
+are killed, their stacks are printed rank by rank, and the test fails with ``TimeoutError``
+(benchmarks/_ranks.py's dump, which the benchmarks' ranks use too).
 
 A rank that finished ``fn`` and tore its group down leaves through ``leave()``: the exit
 handlers run (atexit, ``weakref.finalize``: where leanddp closes a wrapper still alive), then
@@ -21,13 +22,14 @@ fails the test.
 from __future__ import annotations
 
 import datetime
-import faulthandler
 import gc
 import os
-import signal
 import socket
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +37,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from leanddp._lifetime import leave
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from _ranks import arm_stack_dump, dump_and_kill  # noqa: E402 (the deadline's stack dumps)
 
 #: Collectives fail instead of hanging after this long.
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -79,10 +84,11 @@ def _entry(
     seed: int,
     fn: Callable,
     args: tuple,
+    folder: str,
     backend: str = "gloo",
     set_device: bool = True,
 ) -> None:
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks's deadline
+    arm_stack_dump(folder, rank)  # run_ranks's deadline
     init_rank(rank, world_size, port, TIMEOUT, backend, set_device)
     try:
         torch.manual_seed(seed + 1000 * rank)
@@ -106,29 +112,20 @@ def run_ranks(
 ) -> None:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks (see module doc)."""
     seed = int(torch.randint(0, 2**30, ()).item())
-    ranks = mp.start_processes(
-        _entry,
-        args=(world_size, _free_port(), seed, fn, args, backend, set_device),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + RANK_DEADLINE_S
-    while not ranks.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
-        if time.monotonic() >= deadline:
-            _kill_hung(ranks.processes, fn)
-
-
-def _kill_hung(processes: list, fn: Callable) -> None:
-    """Prints the stacks of every thread of the ranks still running, kills them, and fails."""
-    alive = [p for p in processes if p.is_alive()]
-    for p in alive:
-        os.kill(p.pid, signal.SIGUSR1)
-    time.sleep(2.0)  # faulthandler writes to the rank's stderr
-    for p in alive:
-        p.kill()
-        p.join()
-    raise TimeoutError(
-        f"{fn.__name__}: {len(alive)} rank(s) still running after {RANK_DEADLINE_S:.0f} s "
-        "(LEANDDP_TEST_RANK_DEADLINE_S); their threads' stacks are on stderr above"
-    )
+    with tempfile.TemporaryDirectory(prefix="ranks-stacks-") as folder:
+        ranks = mp.start_processes(
+            _entry,
+            args=(world_size, _free_port(), seed, fn, args, folder, backend, set_device),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + RANK_DEADLINE_S
+        while not ranks.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                alive = dump_and_kill(ranks.processes, folder)
+                raise TimeoutError(
+                    f"{fn.__name__}: {alive} rank(s) still running after "
+                    f"{RANK_DEADLINE_S:.0f} s (LEANDDP_TEST_RANK_DEADLINE_S); their threads' "
+                    "stacks are on stderr above"
+                )
