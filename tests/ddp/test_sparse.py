@@ -6,14 +6,17 @@ tiny buckets, a static graph, a comm hook. Where torch's DDP raises (a sparse pa
 on a rank under find_unused_parameters: "Expected sparse gradient to be defined"), leanddp is
 compared with torch's DDP over the same model with dense embeddings. Then the errors: what
 optimizer_in_backward refuses at construction, a sparse gradient where none is expected, and a
-comm hook that cannot handle a sparse bucket.
+comm hook that cannot handle a sparse bucket. Last, benchmarks/gloo_sparse_stress.py briefly.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +184,31 @@ def test_sparse_on_some_ranks_only_raises_at_construction() -> None:
     constructs, and its first backward runs a sparse allreduce on one rank against a dense
     one on the other, which gloo aborts the process on.)"""
     run_ranks(2, _sparse_on_one_rank)
+
+
+@pytest.mark.parametrize("ddp", ["torch", "leanddp"])
+def test_the_gloo_stress_script_runs(ddp: str) -> None:
+    # benchmarks/gloo_sparse_stress.py, briefly: torch's DDP on a one-thread gloo group (the
+    # reference above), leanddp's on torch's default two threads
+    threads = "1" if ddp == "torch" else "2"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gloo_sparse_stress.py"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--ddp",
+            ddp,
+            "--threads",
+            threads,
+            "--steps",
+            "30",
+            "--runs",
+            "1",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "run 1/1: finished" in done.stdout
+    assert f"{ddp}'s DDP, gloo threads {threads}, 30 steps: 0 of 1 runs died" in done.stdout

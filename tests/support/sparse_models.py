@@ -59,6 +59,37 @@ class SparseCase:
         )
 
 
+#: How many gloo_group()s this process made (the store prefix of the next, the same on every
+#: rank since all make them in the same order).
+_gloo_groups = 0
+
+
+def gloo_group(threads: int = 1) -> dist.ProcessGroup:
+    """A gloo group of every rank whose collectives run on ``threads`` worker threads (torch's
+    default is 2). With one, it runs one collective at a time: the group of torch's DDP beside
+    leanddp here. torch's reducer lets a sparse bucket's allreduce run beside its
+    dense buckets' and its unused-parameter map's, and gloo's sparse allreduce beside another
+    collective of its group corrupts the heap now and then: the rank dies with SIGSEGV or
+    "malloc(): unaligned tcache chunk detected" (torch 2.14.1, torch's DDP alone over SparseNet
+    on 2 ranks: 3 of 11 runs of 3000 steps died; with one thread, none of 15;
+    benchmarks/gloo_sparse_stress.py). leanddp reduces a sparse bucket alone on its group
+    (csrc/reducer_sparse.cpp; none of 5 such runs died) and is given a plain group."""
+    global _gloo_groups
+    _gloo_groups += 1
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.PrefixStore(
+        f"gloo_group{_gloo_groups}", dist.distributed_c10d._get_default_store()
+    )
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    options._threads = threads
+    gloo = dist.ProcessGroupGloo(store, rank, world, options)
+    group = dist.ProcessGroup(store, rank, world)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return group
+
+
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     """SGD (which takes sparse gradients): momentum on the dense layers, plain on embeddings."""
     dense = [p for n, p in model.named_parameters() if n.split(".")[0] in ("lin", "head")]
@@ -120,7 +151,7 @@ def sparse_parity_case(rank: int, world_size: int, case: SparseCase) -> None:
         ref_model = SparseNet(dense=True)
         ref_model.load_state_dict(model.state_dict())
     ref = torch.nn.parallel.DistributedDataParallel(
-        ref_model, process_group=dist.new_group(), **case.kwargs()
+        ref_model, process_group=gloo_group(), **case.kwargs()
     )
     ours = leanddp.DistributedDataParallel(
         copy.deepcopy(model),
