@@ -1,13 +1,14 @@
 """Runs a test body in several processes with a gloo process group, and re-raises failures.
 
-``run_ranks(world_size, fn, *args)`` spawns ``world_size`` processes; each initialises the
-default group (gloo, or ``backend=``) on a fresh TCP port and calls
-``fn(rank, world_size, *args)``. ``fn`` must be a module-level function (it is pickled by
-name). A failure on any rank fails the test with that rank's traceback. A hang in a collective
-is cut off by the process group timeout; any other hang (a thread the exit waits for, a lock)
-by ``RANK_DEADLINE_S``: the ranks write every thread's stack (faulthandler, to a file per rank),
-are killed, their stacks are printed rank by rank, and the test fails with ``TimeoutError``
-(benchmarks/_ranks.py's dump, which the benchmarks' ranks use too).
+``run_ranks(world_size, fn, *args)`` starts ``world_size`` processes (forked from a server that
+has imported torch and leanddp once: ``START_METHOD``); each initialises the default group
+(gloo, or ``backend=``) on a fresh TCP port and calls ``fn(rank, world_size, *args)``. ``fn``
+must be a module-level function (it is pickled by name). A failure on any rank fails the test
+with that rank's traceback. A hang in a collective is cut off by the process group timeout; any
+other hang (a thread the exit waits for, a lock) by ``RANK_DEADLINE_S``: the ranks write every
+thread's stack (faulthandler, to a file per rank), are killed, their stacks are printed rank by
+rank, and the test fails with ``TimeoutError`` (benchmarks/_ranks.py's dump, which the
+benchmarks' ranks use too).
 
 A rank that finished ``fn`` and tore its group down leaves through ``leave()``: the exit
 handlers run (atexit, ``weakref.finalize``: where leanddp closes a wrapper still alive), then
@@ -40,6 +41,16 @@ from leanddp._lifetime import leave
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from _ranks import arm_stack_dump, dump_and_kill  # noqa: E402 (the deadline's stack dumps)
+
+#: How ranks start: forked from multiprocessing's fork server, a process started once that has
+#: imported torch and leanddp (START_PRELOAD), rather than each a fresh interpreter that imports
+#: them again (spawn: about 5 s per run of two ranks on the 2-core CI machine, against 0.05 s).
+#: The server touches no CUDA (importing torch and leanddp does not), so a rank initialises CUDA
+#: itself as under spawn; what a rank inherits from the server is the environment and sys.path
+#: pytest started with (conftest.py's folders included), not later changes to os.environ.
+START_METHOD = "forkserver"
+START_PRELOAD = ["torch", "torch.distributed", "leanddp", "pytest", "dist_harness"]
+mp.set_forkserver_preload(START_PRELOAD)  # (before the server starts: at the first run)
 
 #: Collectives fail instead of hanging after this long.
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -118,7 +129,7 @@ def run_ranks(
             args=(world_size, _free_port(), seed, fn, args, folder, backend, set_device),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=START_METHOD,
         )
         deadline = time.monotonic() + RANK_DEADLINE_S
         while not ranks.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):

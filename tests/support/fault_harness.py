@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from dist_harness import _free_port, init_rank
+from dist_harness import START_METHOD, _free_port, init_rank
 
 #: Collectives of group() fail after this long (a rank that raised and stays alive).
 PG_TIMEOUT = datetime.timedelta(seconds=2)
@@ -64,7 +64,7 @@ def _entry(rank: int, world_size: int, port: int, results: Any, fn: Callable, ar
 
 def run_faulty(world_size: int, fn: Callable[..., Any], *args: Any, limit: float = 90) -> list:
     """Every rank's Outcome, in rank order (see module doc)."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(START_METHOD)
     results = ctx.Queue()
     port = _free_port()
     procs = [
