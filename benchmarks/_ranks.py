@@ -17,6 +17,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -60,6 +61,27 @@ def dump_and_kill(processes: list, folder: str) -> int:
     return len(alive)
 
 
+def join_by_deadline(ranks: Any, folder: str, deadline_s: float, what: str, knob: str) -> None:
+    """Waits for every rank of ``ranks`` (torch's ``ProcessContext``), raising what one raised;
+    once ``deadline_s`` seconds have passed, the ranks still running are dumped and killed
+    (``dump_and_kill``) and ``TimeoutError`` names ``what`` and ``knob``, the deadline's setting."""
+    deadline = time.monotonic() + deadline_s
+    while not ranks.join(timeout=max(0.0, min(POLL_S, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            alive = dump_and_kill(ranks.processes, folder)
+            raise TimeoutError(
+                f"{what}: {alive} rank(s) still running after the deadline of {deadline_s:.0f} s "
+                f"({knob}); killed, their threads' stacks are on stderr above"
+            )
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _entry(rank: int, fn: Callable[..., Any], args: tuple, folder: str) -> None:
     """A rank's first call: stacks on SIGUSR1 (the deadline's), then ``fn(rank, *args)``."""
     arm_stack_dump(folder, rank)
@@ -81,12 +103,4 @@ def run_ranks(
         ranks = mp.start_processes(
             _entry, args=(fn, args, folder), nprocs=nprocs, join=False, start_method=start_method
         )
-        deadline = time.monotonic() + deadline_s
-        while not ranks.join(timeout=max(0.0, min(POLL_S, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                alive = dump_and_kill(ranks.processes, folder)
-                raise TimeoutError(
-                    f"{what}: {alive} rank(s) still running after the deadline of "
-                    f"{deadline_s:.0f} s (--deadline-s); killed, their threads' stacks are on "
-                    "stderr above"
-                )
+        join_by_deadline(ranks, folder, deadline_s, what, "--deadline-s")

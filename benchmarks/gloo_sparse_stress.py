@@ -16,7 +16,6 @@ Results: benchmarks/results/gloo_sparse.md.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+from _ranks import free_port  # noqa: E402
 from sparse_models import BATCH, DIM, VOCAB, SparseNet, gloo_group  # noqa: E402 (the tests')
 
 import leanddp  # noqa: E402
@@ -44,12 +44,6 @@ def rank_main(rank: int, port: int, args: argparse.Namespace) -> None:
         for p in ddp.parameters():
             p.grad = None
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -33,7 +33,6 @@ import gc
 import json
 import os
 import random
-import socket
 import sys
 import tempfile
 import threading
@@ -44,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from _long_run_report import FLAT_KEYS, mib, render, verdict
-from _ranks import run_ranks
+from _ranks import free_port, run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -373,13 +372,6 @@ def worker(rank: int, world: int, port: int, name: str, args: argparse.Namespace
         Path(out).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -192,22 +192,9 @@ def test_the_gloo_stress_script_runs(ddp: str) -> None:
     # reference above), leanddp's on torch's default two threads
     threads = "1" if ddp == "torch" else "2"
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "gloo_sparse_stress.py"
+    args = f"--ddp {ddp} --threads {threads} --steps 30 --runs 1".split()
     done = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "--ddp",
-            ddp,
-            "--threads",
-            threads,
-            "--steps",
-            "30",
-            "--runs",
-            "1",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "run 1/1: finished" in done.stdout

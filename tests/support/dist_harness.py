@@ -25,10 +25,8 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-import socket
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,7 +38,8 @@ import torch.multiprocessing as mp
 from leanddp._lifetime import leave
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from _ranks import arm_stack_dump, dump_and_kill  # noqa: E402 (the deadline's stack dumps)
+from _ranks import arm_stack_dump, join_by_deadline  # noqa: E402 (the deadline's stack dumps)
+from _ranks import free_port as _free_port  # noqa: E402
 
 #: How ranks start: forked from multiprocessing's fork server, a process started once that has
 #: imported torch and leanddp (START_PRELOAD), rather than each a fresh interpreter that imports
@@ -57,12 +56,6 @@ TIMEOUT = datetime.timedelta(seconds=60)
 #: A run of ranks that has not ended after this long is dumped, killed and failed (seconds; the
 #: longest run in the suite takes about a minute).
 RANK_DEADLINE_S = float(os.environ.get("LEANDDP_TEST_RANK_DEADLINE_S", "600"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_rank(
@@ -131,12 +124,6 @@ def run_ranks(
             join=False,
             start_method=START_METHOD,
         )
-        deadline = time.monotonic() + RANK_DEADLINE_S
-        while not ranks.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                alive = dump_and_kill(ranks.processes, folder)
-                raise TimeoutError(
-                    f"{fn.__name__}: {alive} rank(s) still running after "
-                    f"{RANK_DEADLINE_S:.0f} s (LEANDDP_TEST_RANK_DEADLINE_S); their threads' "
-                    "stacks are on stderr above"
-                )
+        join_by_deadline(
+            ranks, folder, RANK_DEADLINE_S, fn.__name__, "LEANDDP_TEST_RANK_DEADLINE_S"
+        )

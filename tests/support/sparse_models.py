@@ -67,9 +67,9 @@ _gloo_groups = 0
 def gloo_group(threads: int = 1) -> dist.ProcessGroup:
     """A gloo group of every rank whose collectives run on ``threads`` worker threads (torch's
     default is 2). With one, it runs one collective at a time: the group of torch's DDP beside
-    leanddp here. torch's reducer lets a sparse bucket's allreduce run beside its
-    dense buckets' and its unused-parameter map's, and gloo's sparse allreduce beside another
-    collective of its group corrupts the heap now and then: the rank dies with SIGSEGV or
+    leanddp here. torch's reducer lets a sparse bucket's allreduce run beside its dense buckets'
+    and its unused-parameter map's, and gloo's sparse allreduce beside another collective of its
+    group corrupts the heap now and then: the rank dies with SIGSEGV or
     "malloc(): unaligned tcache chunk detected" (torch 2.14.1, torch's DDP alone over SparseNet
     on 2 ranks: 3 of 11 runs of 3000 steps died; with one thread, none of 15;
     benchmarks/gloo_sparse_stress.py). leanddp reduces a sparse bucket alone on its group
