@@ -147,6 +147,11 @@ def _extension():
         opt = [*coverage, "-O0", "-g"]
         link += [*coverage, "-Wl,--undefined=__gcov_dump"]
     cxx = [*opt, "-fno-math-errno", "-ffp-contract=off", "-Wall", "-Wno-unused-function"]
+    if "-g" not in opt:
+        # Python's CFLAGS (which torch's build puts first) carry -g: debug information for
+        # torch's headers is about a third of each C++ file's compile time and most of the
+        # library's size. Symbols stay, so stack traces still name functions.
+        cxx.append("-g0")
     if platform.system() == "Linux":
         # at::parallel_for is OpenMP inlined into our code: without -fopenmp it silently runs on
         # one thread. The soname matches the libgomp torch ships, so one OpenMP runtime is used.

@@ -10,7 +10,7 @@
 #include "shard.h"
 #include "step_window.h"
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/version.h>
 
 namespace py = pybind11;

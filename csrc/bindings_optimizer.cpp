@@ -3,7 +3,7 @@
 #include "bindings.h"
 #include "in_backward_optimizer.h"
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 namespace py = pybind11;
 

@@ -3,7 +3,8 @@
 #include "bindings.h"
 #include "reducer.h"
 
-#include <torch/extension.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
 namespace py = pybind11;

@@ -13,7 +13,7 @@
 #include <c10/util/Exception.h>
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
 #include <future>
