@@ -6,7 +6,7 @@ environment with a different torch. The build stops at once, printing that comma
 runs in an isolated build environment (build_support.py); torch is therefore not among the
 build requirements in pyproject.toml, so pip downloads nothing before it stops.
 
-How long a clean build takes, and how to shorten it: README.md, "Build time".
+How long a clean build takes, and how to shorten it: docs/install.md, "Build time".
 
 Build environment variables
 ---------------------------
@@ -179,7 +179,7 @@ def _extension():
     arches = os.environ.get("TORCH_CUDA_ARCH_LIST", "the visible GPUs")
     print(
         f"leanddp: building the CUDA kernels for {arches} ({len(cuda_sources)} .cu and "
-        f"{len(sources) - len(cuda_sources)} .cpp files; minutes on a few cores, README.md "
+        f"{len(sources) - len(cuda_sources)} .cpp files; minutes on a few cores, docs/install.md "
         '"Build time"; pip install -v shows each file as it compiles)',
         file=sys.stderr,
     )
