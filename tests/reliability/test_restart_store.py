@@ -13,13 +13,13 @@ round 0's keys, rank 1 comes late (so rank 0 reads before rank 1 writes), and bo
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from dist_harness import _free_port
 
 pytestmark = pytest.mark.slow
 
@@ -63,12 +63,6 @@ RANKS = textwrap.dedent(
     dist.destroy_process_group()
     """
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_static_rendezvous_restart_finds_no_stale_gloo_keys(tmp_path: Path) -> None:
