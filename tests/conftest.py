@@ -53,6 +53,9 @@ def pytest_configure(config):
 
 
 BASE_SEED = int(os.environ.get("LEANDDP_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+# In the environment, so that pytest-xdist's workers (the README's `-n 2`), which start after this
+# module loaded in the process that prints the header, draw from the seed the header names.
+os.environ["LEANDDP_TEST_SEED"] = str(BASE_SEED)
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = [
