@@ -24,7 +24,8 @@
 // With shard_optimizer_state a bucket is reduce-scattered instead of allreduced, the optimizer
 // steps this rank's shard, and the Reducer all-gathers the stepped shards back into the
 // parameters (on the optimizer's stream on a GPU; on the CPU the host waits for the gather at
-// the next bucket's step; host steps: at the end of backward, each bucket once the optimizer
+// the next bucket's step, the window holding one launched bucket fewer so that no more buckets
+// are allocated than unsharded; host steps: at the end of backward, each bucket once the optimizer
 // says its host step is done). Steps run only where the window forces them (before a launch
 // when it is full, and at the end of backward), never as reductions happen to complete: so
 // every rank issues its reduce-scatters and all-gathers in the same order on the one process

@@ -115,6 +115,14 @@ void Reducer::set_optimizer(std::shared_ptr<InBackwardOptimizer> optimizer) {
   // (the NaN check reads every bucket before the host steps: they wait for the end of backward)
   optimizer->attach(buckets_, shard_.shards(), /*checked_first=*/nan_.enabled());
   optimizer_ = std::move(optimizer);
+  // Sharded device steps on the CPU keep a stepped bucket until its gather is finished at the
+  // next bucket's step (ShardGather::defer): the window holds one launched bucket fewer, so that
+  // as many buckets are allocated at once as unsharded. Bucket k's reduction still overlaps the
+  // backward that fills bucket k + 1, and its gather the one that fills bucket k + 2.
+  if (options_.shard_optimizer_state && !window_.device_ordered() && !steps_on_host() &&
+      options_.buckets_in_flight > 1) {
+    window_ = StepWindow(options_.buckets_in_flight - 1, /*device_ordered=*/false);
+  }
   if (options_.accumulate_on_host) {
     accumulator_ = std::make_unique<HostAccumulator>(optimizer_->host_worker(), buckets_);
   }

@@ -211,7 +211,6 @@ def measure(
         shape,
         world_size=out["world_size"],
         accumulation=accum,
-        device_ordered=device.type == "cuda",
     ).device
     out["allowance_per_param"] = BUCKETS_IN_FLIGHT * largest / numel
     raw = [s - out["start_bytes"] for s in out["timeline"]]

@@ -15,7 +15,9 @@ Categories, per rank (the bench measures the same ones):
   bucket (``TRANSIENT_BUCKETS``).
 - ``buckets``: the flat communication buckets. All of them, unless buckets are released after
   their step inside backward (``optimizer_in_backward`` without accumulation): then the buckets
-  in flight, at most ``in_flight_buckets()`` of the largest.
+  in flight, at most ``BUCKETS_IN_FLIGHT`` of the largest (sharded on the CPU too, where a
+  stepped bucket is kept until its all-gather finishes at the next step: the step window holds
+  one launched bucket fewer there).
 - ``optimizer_state``: optimizer state on the device (the moments, in the parameters' dtype, and
   torch's step counters); 1/N of it with ``shard_optimizer_state``. torchao's 8-bit AdamW
   (``adamw8bit``) keeps one byte per moment element plus a float32 scale per block of 256
@@ -223,13 +225,6 @@ def mode_and_optimizer(config: str) -> tuple[Mode, str]:
     return mode(config), "adamw"
 
 
-def in_flight_buckets(mode: Mode, device_ordered: bool) -> int:
-    """Buckets allocated at once when ``mode`` releases them inside backward: the step window;
-    sharded on the CPU, one more (a stepped bucket waits for its all-gather until the next
-    step; on a GPU that wait is ordered on a stream and the bucket released at once)."""
-    return BUCKETS_IN_FLIGHT + (1 if mode.shard and not device_ordered else 0)
-
-
 def estimate(
     mode: Mode,
     shape: Shape,
@@ -238,11 +233,10 @@ def estimate(
     world_size: int = 1,
     accumulation: int = 1,
     clip: bool = False,
-    device_ordered: bool = True,
 ) -> Estimate:
     """What one rank holds for ``mode`` training ``shape`` with ``optimizer`` (a key of MOMENTS)
     at ``world_size`` ranks, ``accumulation`` micro-batches per step, with or without gradient
-    clipping (``max_grad_norm``), on a GPU (``device_ordered``) or the CPU."""
+    clipping (``max_grad_norm``), on a GPU or the CPU (the same bytes)."""
     if optimizer not in MOMENTS:
         raise ValueError(f"optimizer must be one of {sorted(MOMENTS)}, got {optimizer!r}")
     if world_size < 1 or accumulation < 1:
@@ -276,7 +270,7 @@ def estimate(
         and not (clip and mode.shard and not mode.offload)
     )
     if releases:
-        released = min(held, in_flight_buckets(mode, device_ordered) * largest)
+        released = min(held, BUCKETS_IN_FLIGHT * largest)
         out["buckets"] = released
         transient += released
     else:

@@ -222,7 +222,7 @@ def plan(
     )
     estimates, fits, largest = [], {}, {}
     for name in configs or list(modes):
-        of = _estimator(modes[name], optimizer, world_size, accumulation, clip, device == "cuda")
+        of = _estimator(modes[name], optimizer, world_size, accumulation, clip)
         layout = shapes[modes[name].keeps_first_layout]
         e = of(layout)
         estimates.append(e)
@@ -233,7 +233,7 @@ def plan(
 
 
 def _estimator(
-    mode: _memory.Mode, optimizer: str, world: int, accum: int, clip: bool, device_ordered: bool
+    mode: _memory.Mode, optimizer: str, world: int, accum: int, clip: bool
 ) -> Callable[[_memory.Shape], _memory.Estimate]:
     def of(shape: _memory.Shape) -> _memory.Estimate:
         return _memory.estimate(
@@ -243,7 +243,6 @@ def _estimator(
             world_size=world,
             accumulation=accum,
             clip=clip,
-            device_ordered=device_ordered,
         )
 
     return of

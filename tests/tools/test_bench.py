@@ -44,7 +44,6 @@ def assert_planned(report: dict) -> None:
             optimizer=optimizer,
             world_size=r["world_size"],
             accumulation=r["accum"],
-            device_ordered=False,
         )
         m = r["memory"]
         allowance = _memory.BUCKETS_IN_FLIGHT * m.get("largest_bucket", shape.largest_bucket)

@@ -191,7 +191,7 @@ def _buckets_rank(rank: int, world: int) -> None:
         assert shape.numel == sum(p.numel() for p in model.parameters())
         if offload:  # the host categories are what the running job reports
             name = "leanddp offload sharded" if shard else "leanddp + offload_to_cpu"
-            e = _memory.estimate(MODES[name], shape, device_ordered=False)
+            e = _memory.estimate(MODES[name], shape)
             s = ddp.memory_stats()
             assert s["host_master_bytes"] == e.bytes["host_masters"]
             assert s["host_buffer_bytes"] == e.bytes["host_staging"]
@@ -216,7 +216,7 @@ def test_largest_model_is_the_boundary() -> None:
     )
     for e in result.estimates:
         most = result.largest[e.mode.name]
-        of = plan._estimator(e.mode, "adamw", 8, 1, False, True)
+        of = plan._estimator(e.mode, "adamw", 8, 1, False)
         fits = _memory.fits
         assert fits(of(result.shape.scaled(most)), 2**30, 4 * 2**30, False), e.mode.name
         assert not fits(of(result.shape.scaled(most + 1)), 2**30, 4 * 2**30, False), e.mode.name
@@ -229,7 +229,7 @@ def test_largest_model_is_the_boundary() -> None:
     cpu = plan.plan(50_000_000, host_memory_gb=4.0, device="cpu", bucket_cap_mb=4)
     for e in cpu.estimates:
         n = cpu.largest[e.mode.name]
-        of = plan._estimator(e.mode, "adamw", 1, 1, False, False)
+        of = plan._estimator(e.mode, "adamw", 1, 1, False)
         assert fits(of(cpu.shape.scaled(n)), None, 4 * 2**30, True), e.mode.name
         assert not fits(of(cpu.shape.scaled(n + 1)), None, 4 * 2**30, True), e.mode.name
 
