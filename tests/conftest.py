@@ -12,9 +12,16 @@ import zlib
 from pathlib import Path
 
 import pytest
-import torch
 
-import leanddp  # fails loudly here, with how to fix it, if the extension is not built
+# Before torch is imported, here and in every process the tests start (they inherit it): inductor
+# compiles in the process that asks, not in a pool of worker interpreters that each import torch
+# again. The tests compile small graphs (torchao's 8-bit step, a compiled submodule) in many
+# short-lived ranks, where starting that pool cost more than it saved.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
+
+import leanddp  # noqa: E402 (fails loudly here, with how to fix it, if the extension is not built)
 
 TESTS = Path(__file__).resolve().parent
 #: folders of tests/ whose modules are not imported by name
