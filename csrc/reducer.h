@@ -112,7 +112,9 @@ struct ReducerOptions {
   // own, is never a view, and is reduced with the process group's allreduce of the sparse
   // tensor (reducer_sparse.cpp). Not with optimizer_in_backward.
   std::vector<std::string> sparse_names;
-  // optimizer_in_backward: most buckets launched but not yet stepped and finished (StepWindow).
+  // optimizer_in_backward: most buckets launched but not yet stepped and finished (StepWindow);
+  // one fewer for sharded device steps on the CPU, beside the bucket kept for its gather
+  // (set_optimizer).
   size_t buckets_in_flight = kBucketsInFlight;
   NanCheck nan_check = NanCheck::kOff;
   // shard_optimizer_state (with optimizer_in_backward and a fused optimizer): each bucket is padded
