@@ -67,11 +67,13 @@ DEFAULT_ARCH_LIST = "8.0+PTX"
 
 #: csrc/*.cpp compile in this many groups, each one compiler run that includes its files (a "unity
 #: build"): a file spends most of its compile time parsing torch's headers (about 9 s of 12), so
-#: the 32 files take about 50 s of CPU time in two groups instead of about 380 one by one. The
-#: files of csrc/ops/ compile one by one (the kernels' files set instruction-set macros of their
-#: own), as does everything in the testing builds (LEANDDP_DEBUG, LEANDDP_SANITIZE,
-#: LEANDDP_COVERAGE: one object per file for gcov, a file's own includes checked). A name with
-#: internal linkage (static, an anonymous namespace) is therefore unique across csrc/*.cpp.
+#: the 32 files take about 48 s of CPU time in two groups instead of about 400 one by one. The
+#: files of csrc/ops/ compile one by one (cpu_kernels.cpp and flatten_cpu.cpp set instruction-set
+#: macros of their own), as does every file in the testing builds (LEANDDP_DEBUG,
+#: LEANDDP_SANITIZE, LEANDDP_COVERAGE: one object per file for gcov; only there does a file that
+#: lacks an include it needs fail on its own). A function with internal linkage (static, an
+#: anonymous namespace) is therefore named uniquely across csrc/*.cpp
+#: (tests/ops/test_unity_build.py): a call could otherwise resolve to another file's overload.
 UNITY_GROUPS = 2
 
 #: The torch releases this source builds and is tested against (CI: 2.13 and 2.14 on the CPU; the
@@ -168,7 +170,8 @@ def _extension():
     else:
         sources = [*_unity_sources(top), *(str(p.relative_to(ROOT)) for p in below)]
     # setuptools skips the extension when no source or dependency is newer than it
-    depends = [str(p.relative_to(ROOT)) for p in top]
+    headers = [p for p in (ROOT / "csrc").rglob("*") if p.suffix in (".h", ".cuh")]
+    depends = [str(p.relative_to(ROOT)) for p in sorted([*top, *headers])]
     opt = ["-O0", "-g"] if debug else ["-O3"]  # C++ standard: torch's choice (C++20 from 2.14)
     link = []
     if _flag("LEANDDP_SANITIZE"):

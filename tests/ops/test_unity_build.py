@@ -1,7 +1,9 @@
 """setup.py compiles csrc/*.cpp in groups, each one compiler run that includes its files
 (``UNITY_GROUPS``): a name with internal linkage (``static``, an anonymous namespace) declared in
-two of those files would meet the other in one translation unit, where a call could resolve to
-the other file's function without an error. No name is declared so in two files."""
+two of those files would meet the other in one translation unit. A type or variable declared
+twice fails to compile; a function overloaded by another file's could take its calls without an
+error. No name is declared so in two files (the declarations clang-format leaves at the start
+of a line: functions, types, constants)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ _DECLARED = [
     re.compile(r"^(?!return\b)[A-Za-z_][\w:<>,*& \t]*?[\s*&](\w+)\(", re.M),
     re.compile(r"^(?:struct|class|enum(?: class)?)[ \t]+(\w+)", re.M),
     re.compile(
-        r"^(?:static[ \t]+)?(?:constexpr|const)[ \t][\w:<>, \t]*?[ \t](\w+)[ \t]*[=\[{]", re.M
+        r"^(?:static[ \t]+)?(?:constexpr|const)[ \t][\w:<>,*& \t]*?[ \t*&](\w+)[ \t]*[=\[{]", re.M
     ),
 ]
 _STATIC = re.compile(r"^static[ \t][\w:<>,*& \t]*?[\s*&](\w+)[ \t]*[(=\[{]", re.M)
