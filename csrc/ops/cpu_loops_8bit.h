@@ -3,15 +3,64 @@
 // arithmetic is optim8_math.h's. A block is stepped in passes over its moments held as floats
 // in scratch buffers (in L1): dequantize, update, the largest magnitudes (an integer maximum,
 // abs_bits), requantize. The update, the maxima and the quantization's divisions and bucket
-// keys are vectorized; the table look-ups are scalar loads (as fast here as AVX2/AVX-512
-// gathers, measured on AMD Zen 4): one per element to dequantize, and one to quantize
-// (quant_table.h) where its table is exact, else torchao's binary search.
+// keys are vectorized. The table look-ups (one per element to dequantize, and one to quantize,
+// quant_table.h, where its table is exact, else torchao's binary search) are AVX-512 gathers
+// where the instruction set has them, scalar loads elsewhere: the compiler turns the scalar
+// loops into emulated gathers (element by element through general registers), and the gathers
+// step a block in about half the time (AMD Zen 4, benchmarks/results/host_step.md Run 7).
 
 // dst[i] = qmap[codes[i]] * scale.
 LEANDDP_ISA_ATTR void dequant8(const uint8_t* __restrict codes, const float* __restrict qmap,
                                float scale, float* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = qmap[codes[i]] * scale;
+  int64_t i = 0;
+#if LEANDDP_ISA_F16C == 512  // AVX-512
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (; i + 16 <= n; i += 16) {
+    const __m512i idx =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_i32gather_ps(idx, qmap, 4), vscale));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = qmap[codes[i]] * scale;
 }
+
+#if LEANDDP_ISA_F16C == 512  // AVX-512
+// quant8's table path for the first n - n % 16 elements (returned): QuantTable's bucket, one
+// gathered entry and its code per element, 16 at a time, as the scalar path computes them.
+LEANDDP_ISA_ATTR int64_t quant8_gathered(const float* __restrict x, float scale,
+                                         const QuantTable& table, uint8_t* __restrict codes,
+                                         int64_t n) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512i low_mask = _mm512_set1_epi32(static_cast<int32_t>(QuantTable::kLowMask));
+  const __m512i key_low = _mm512_set1_epi32(QuantTable::kKeyLow);
+  const __m512i key_high = _mm512_set1_epi32(QuantTable::kKeyHigh);
+  const __m512i keys = _mm512_set1_epi32(QuantTable::kKeys);
+  const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+  const __m512i base_mask = _mm512_set1_epi32(0xff);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 xn = _mm512_div_ps(_mm512_loadu_ps(x + i), vscale);
+    const __m512i u = _mm512_castps_si512(xn);
+    const __m512i abs = _mm512_and_si512(u, abs_mask);
+    const __mmask16 negative = _mm512_cmplt_epi32_mask(u, zero);  // the sign bit
+    // bucket(abs, sign) and within(abs, sign)
+    __m512i key = _mm512_srli_epi32(abs, QuantTable::kShift);
+    key = _mm512_sub_epi32(_mm512_min_epi32(_mm512_max_epi32(key, key_low), key_high), key_low);
+    key = _mm512_mask_add_epi32(key, negative, key, keys);
+    const __m512i low = _mm512_and_si512(abs, low_mask);
+    const __m512i within = _mm512_mask_sub_epi32(low, negative, zero, low);
+    // code(entry, within); a NaN's code is 0
+    const __m512i entry = _mm512_i32gather_epi32(key, table.entry, 4);
+    __m512i code = _mm512_and_si512(entry, base_mask);
+    const __mmask16 up = _mm512_cmpge_epi32_mask(within, _mm512_srai_epi32(entry, 8));
+    code = _mm512_mask_add_epi32(code, up, code, one);
+    code = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(xn, xn, _CMP_ORD_Q), code);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(code));
+  }
+  return i;
+}
+#endif
 
 // codes[i] = the code of x[i] / scale (quantize_code's); x is overwritten (scratch).
 LEANDDP_ISA_ATTR void quant8(float* __restrict x, float scale, const float* __restrict qmap,
@@ -21,10 +70,14 @@ LEANDDP_ISA_ATTR void quant8(float* __restrict x, float scale, const float* __re
       codes[i] = static_cast<uint8_t>(quantize_code(x[i] / scale, qmap));
     return;
   }
+  int64_t done = 0;
+#if LEANDDP_ISA_F16C == 512
+  done = quant8_gathered(x, scale, *table, codes, n);
+#endif
   const int32_t* entries = table->entry;
   constexpr int64_t kStep = 256;
   int32_t keys[kStep], within[kStep], found[kStep];
-  for (int64_t at = 0; at < n; at += kStep) {
+  for (int64_t at = done; at < n; at += kStep) {
     const int64_t len = n - at < kStep ? n - at : kStep;
     float* xs = x + at;
     for (int64_t i = 0; i < len; ++i) {  // vectorized
