@@ -5,9 +5,10 @@
 // abs_bits), requantize. The update, the maxima and the quantization's divisions and bucket
 // keys are vectorized. The table look-ups (one per element to dequantize, and one to quantize,
 // quant_table.h, where its table is exact, else torchao's binary search) are AVX-512 gathers
-// where the instruction set has them, scalar loads elsewhere: the compiler turns the scalar
-// loops into emulated gathers (element by element through general registers), and the gathers
-// step a block in about half the time (AMD Zen 4, benchmarks/results/host_step.md Run 7).
+// where the instruction set has them, scalar loads elsewhere. The compiler turns the scalar
+// loops into emulated gathers (element by element through general registers): the step took
+// 1.65 times as long that way on an Intel Xeon (benchmarks/results/host_step.md Run 7), and
+// about as long as with gathers on an AMD Zen 4 (Run 6, at an earlier stage of the kernel).
 
 // dst[i] = qmap[codes[i]] * scale.
 LEANDDP_ISA_ATTR void dequant8(const uint8_t* __restrict codes, const float* __restrict qmap,
@@ -96,6 +97,86 @@ LEANDDP_ISA_ATTR void quant8(float* __restrict x, float scale, const float* __re
   }
 }
 
+#if LEANDDP_ISA_F16C == 512  // AVX-512
+// Whether divide_exactly may divide by d (one of the bias corrections, 1 - beta^step in float32:
+// 2^-24 at least where it is not 0): d and 1 / d normal, and x / d at most 2^124 for every x it
+// admits.
+inline bool exact_divisor(float d) { return d >= 0x1p-24f && d <= 0x1p40f; }
+
+// *q = x / d, rounded as a division rounds it, without one: y = 1 / d rounded, q0 = x * y is
+// within an ulp of x / d, the remainder r = x - q0 * d is then exact (one fused multiply-add),
+// and q0 + r * y (another) rounds to x / d (Markstein's theorem; checked against the division
+// for every float in [1, 2) over 51,000 divisors, tests/scripts/check_exact_division.cpp: the
+// bias corrections of eight betas over 3000 steps, their square roots, random floats, in 89 s;
+// the tests run it with 600). Its proof needs no underflow or overflow, so
+// every lane of x must be a zero or have a magnitude in [2^-60, 2^100] (returns false, *q
+// untouched, where one does not; d: exact_divisor). A zero keeps its sign, as in a division.
+LEANDDP_ISA_ATTR C10_ALWAYS_INLINE bool divide_exactly(__m512 x, __m512 d, __m512 y, __m512* q) {
+  const __m512i abs = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
+  constexpr int32_t kLow = 0x21800000, kHigh = 0x71800000;  // the bits of 2^-60 and 2^100
+  const __mmask16 normal = _mm512_cmple_epu32_mask(_mm512_sub_epi32(abs, _mm512_set1_epi32(kLow)),
+                                                   _mm512_set1_epi32(kHigh - kLow));
+  if ((normal | _mm512_cmpeq_epi32_mask(abs, _mm512_setzero_si512())) != 0xffff) return false;
+  const __m512 q0 = _mm512_mul_ps(x, y);
+  const __m512 q1 = _mm512_fmadd_ps(_mm512_fnmadd_ps(q0, d, x), y, q0);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  // q1's magnitude, x's sign (q1 is +0 for either zero, and has x's sign otherwise)
+  *q = _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(sign, _mm512_castps_si512(x)),
+                                           _mm512_andnot_si512(sign, _mm512_castps_si512(q1))));
+  return true;
+}
+#endif
+
+// adam8_update over n elements in place: p, and the moments m, v from their old values to their
+// new ones. AVX-512 steps 16 lanes at a time with the same operations in the same order, its two
+// divisions by the bias corrections as divide_exactly's where it can.
+template <bool kDecoupled>
+LEANDDP_ISA_ATTR void adam8_update_loop(float* __restrict p, const float* __restrict g,
+                                        float* __restrict m, float* __restrict v, int64_t n,
+                                        const Adam8Consts& consts) {
+  const Adam8Consts c = consts;  // (as in adam_loop)
+  int64_t i = 0;
+#if LEANDDP_ISA_F16C == 512
+  const bool exact_divisors = exact_divisor(c.bc1) && exact_divisor(c.bc2_sqrt);
+  const __m512 grad_mul = _mm512_set1_ps(c.grad_mul), lr = _mm512_set1_ps(c.lr);
+  const __m512 lr_wd = _mm512_set1_ps(c.lr_wd), l2 = _mm512_set1_ps(c.l2);
+  const __m512 coef1 = _mm512_set1_ps(c.coef1), coef2 = _mm512_set1_ps(c.coef2);
+  const __m512 bc1 = _mm512_set1_ps(c.bc1), bc2_sqrt = _mm512_set1_ps(c.bc2_sqrt);
+  const __m512 inv_bc1 = _mm512_set1_ps(1.0f / c.bc1);
+  const __m512 inv_bc2_sqrt = _mm512_set1_ps(1.0f / c.bc2_sqrt);
+  const __m512 eps = _mm512_set1_ps(c.eps);
+  const __mmask16 end1 = c.end_base1 ? 0xffff : 0, end2 = c.end_base2 ? 0xffff : 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 pv = _mm512_loadu_ps(p + i);
+    __m512 gv = _mm512_mul_ps(_mm512_loadu_ps(g + i), grad_mul);
+    if constexpr (kDecoupled) {
+      pv = _mm512_sub_ps(pv, _mm512_mul_ps(lr_wd, pv));
+    } else {
+      gv = _mm512_add_ps(gv, _mm512_mul_ps(l2, pv));
+    }
+    const __m512 mv = _mm512_loadu_ps(m + i), vv = _mm512_loadu_ps(v + i);
+    const __m512 m_new = _mm512_add_ps(_mm512_mul_ps(coef1, _mm512_sub_ps(gv, mv)),
+                                       _mm512_mask_blend_ps(end1, mv, gv));
+    const __m512 g2 = _mm512_mul_ps(gv, gv);
+    const __m512 v_new = _mm512_add_ps(_mm512_mul_ps(coef2, _mm512_sub_ps(g2, vv)),
+                                       _mm512_mask_blend_ps(end2, vv, g2));
+    const __m512 root = _mm512_sqrt_ps(v_new);
+    __m512 root_c, m_c;  // sqrt(v_new) / bc2_sqrt, m_new / bc1
+    if (!(exact_divisors && divide_exactly(root, bc2_sqrt, inv_bc2_sqrt, &root_c) &&
+          divide_exactly(m_new, bc1, inv_bc1, &m_c))) {
+      root_c = _mm512_div_ps(root, bc2_sqrt);
+      m_c = _mm512_div_ps(m_new, bc1);
+    }
+    const __m512 denom = _mm512_add_ps(root_c, eps);
+    pv = _mm512_sub_ps(pv, _mm512_div_ps(_mm512_mul_ps(lr, m_c), denom));
+    _mm512_storeu_ps(p + i, pv);
+    _mm512_storeu_ps(m + i, m_new);
+    _mm512_storeu_ps(v + i, v_new);
+  }
+#endif
+  for (; i < n; ++i) adam8_update<kDecoupled>(p[i], g[i], m[i], v[i], m[i], v[i], c);
+}
+
 // One quantization block of n elements: parameters p (float) stepped in place from gradients g;
 // the moments' codes cm, cv and scales *sm, *sv read and rewritten; mbuf, vbuf: n floats of
 // scratch for the moments.
@@ -108,9 +189,7 @@ LEANDDP_ISA_ATTR void adam8_quant_loop(float* __restrict p, const float* __restr
   const Adam8Consts c = consts;  // (as in adam_loop)
   dequant8(cm, maps.qs, *sm, mbuf, n);
   dequant8(cv, maps.qu, *sv, vbuf, n);
-  for (int64_t i = 0; i < n; ++i) {
-    adam8_update<kDecoupled>(p[i], g[i], mbuf[i], vbuf[i], mbuf[i], vbuf[i], c);
-  }
+  adam8_update_loop<kDecoupled>(p, g, mbuf, vbuf, n, c);
   uint32_t bm = 0, bv = 0;
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t am = abs_bits(mbuf[i]), av = abs_bits(vbuf[i]);
@@ -133,22 +212,9 @@ LEANDDP_ISA_ATTR void adam8_quant_block(float* __restrict p, const float* __rest
 }
 
 // n elements of a parameter whose moments m, v are plain floats: the same update.
-template <bool kDecoupled>
-LEANDDP_ISA_ATTR void adam8_plain_loop(float* __restrict p, const float* __restrict g,
-                                       float* __restrict m, float* __restrict v, int64_t n,
-                                       const Adam8Consts& consts) {
-  const Adam8Consts c = consts;
-  for (int64_t i = 0; i < n; ++i) {
-    float m_new, v_new;
-    adam8_update<kDecoupled>(p[i], g[i], m[i], v[i], m_new, v_new, c);
-    m[i] = m_new;
-    v[i] = v_new;
-  }
-}
-
 LEANDDP_ISA_ATTR void adam8_plain_block(float* __restrict p, const float* __restrict g,
                                         float* __restrict m, float* __restrict v, int64_t n,
                                         const Adam8Consts& c) {
-  c.decoupled ? adam8_plain_loop<true>(p, g, m, v, n, c)
-              : adam8_plain_loop<false>(p, g, m, v, n, c);
+  c.decoupled ? adam8_update_loop<true>(p, g, m, v, n, c)
+              : adam8_update_loop<false>(p, g, m, v, n, c);
 }

@@ -25,6 +25,13 @@ constexpr int64_t kPlainElems = 1024;  // elements per unit of a parameter with 
 // Fewer elements than this per thread cost more in threading than they save.
 constexpr int64_t kGrainElems = 32 << 10;
 
+// Asks for the cache lines of [at, at + bytes) (a hint; no effect where the compiler has none).
+inline void prefetch(const char* at, int64_t bytes) {
+#if defined(__GNUC__) || defined(__clang__)
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(at + offset);
+#endif
+}
+
 // Per-thread scratch: a unit's parameters, gradients and moments as floats.
 struct Scratch {
   static constexpr int64_t kElems = std::max(kMaxQuantBlock, kPlainElems);
@@ -109,10 +116,25 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
     if (low) store_low(param_dtype, p, p_at[t], first, len);
     if (has_copy) store_low(copy_dtype, p, copy_at[t], first, len);
   };
+  // A quantized block's memory, requested while the block before it is stepped: the hardware
+  // prefetchers stop at each page's end (4 KiB: four blocks of 256 floats), and the step waited
+  // on memory there (benchmarks/results/host_step.md Run 7).
+  const auto prefetch_block = [&](size_t t, int64_t u) {
+    const int64_t first = u * unit[t];
+    const int64_t len = std::min(unit[t], params[t].numel() - first);
+    prefetch(p_at[t] + first * params[t].element_size(), len * params[t].element_size());
+    prefetch(g_at[t] + first * grads[t].element_size(), len * grads[t].element_size());
+    prefetch(m_at[t] + first, len);
+    prefetch(v_at[t] + first, len);
+  };
   at::parallel_for(0, range.total(), grain, [&](int64_t first, int64_t last) {
     const std::unique_ptr<Scratch> scratch(new Scratch);  // (default-initialized: not zeroed)
     range.for_each_piece(first, last, [&](int32_t t, int64_t begin, int64_t len) {
-      for (int64_t u = begin; u < begin + len; ++u) step_unit(static_cast<size_t>(t), u, *scratch);
+      const auto i = static_cast<size_t>(t);
+      for (int64_t u = begin; u < begin + len; ++u) {
+        if (quantized[i] && u + 1 < begin + len) prefetch_block(i, u + 1);
+        step_unit(i, u, *scratch);
+      }
     });
   });
 }

@@ -117,6 +117,29 @@ for dt in (torch.float32, torch.bfloat16):
         ops.adam8bit_step_(p, g, m, v, sm, sv, qs, qu, lr=1e-2, beta1=0.9, beta2=0.99,
                            eps=1e-8, weight_decay=0.1, step=step, grad_scale=0.9)
     out["adam8 " + str(dt)] = [p, m, v, sm, sv]
+# The update at edge values: the AVX-512 loop divides by the bias corrections with multiply-adds
+# only where every lane of 16 is a zero or a magnitude in [2^-60, 2^100]; the other vectors take
+# the division. Plain state holds the moments as given: lanes drawn from moderate values (zeros
+# of both signs included) and, in a second parameter, from tiny, subnormal and huge ones too,
+# with gradients from 0 to 1e20 there (whose square is infinite: some parameters end as NaN).
+moderate = torch.tensor([0.0, -0.0, 1.0, -1e-3, 1e-18, -1e29, 3e-7, 2.5])
+extreme = torch.cat([moderate, torch.tensor([1e-30, -1e-40, 1e-19, -1e31, 3e38])])
+pick = lambda values, n: values[(randn(n).abs() * 1e4).long() % values.numel()]
+n8, big = 16 * 40 + 5, [0.0, 1.0, 1e-3, 1e20]
+for decoupled, beta1 in itertools.product((True, False), (0.9, 0.3)):  # both lerp forms
+    # and a third of negative zeros (Adam, beta1 0.3: the first moment stays -0.0, and so does
+    # its quotient, which the parameter's sign shows)
+    p = [pick(moderate, n8) * randn(n8), randn(n8), torch.full((32,), -0.0)]
+    m = [pick(moderate, n8), pick(extreme, n8), torch.full((32,), -0.0)]
+    v = [pick(moderate, n8).abs(), pick(extreme, n8).abs(), torch.ones(32)]
+    for step in (1, 2, 3):
+        g = [randn(n8) * pick(torch.tensor(scales), n8) for scales in ([0.0, 1.0, 1e-3], big)]
+        g.append(torch.full((32,), -0.0))
+        ops.adam8bit_step_(p, g, m, v, [torch.zeros(0)] * 3, [torch.zeros(0)] * 3, qs, qu,
+                           lr=1e-2, beta1=beta1, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                           step=step, decoupled_weight_decay=decoupled)
+    # bits: NaNs and the signs of zeros compare too
+    out[f"adam8 edges {decoupled} {beta1}"] = [t.view(torch.int32) for t in p + m + v]
 x = randn(100_000).clamp(-1, 1)
 quantize8 = leanddp._C._testing.quantize8
 out["adam8 quantize"] = [quantize8(x, qs, True), quantize8(x, qs, False),

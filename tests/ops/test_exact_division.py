@@ -1,0 +1,55 @@
+"""The AVX-512 8-bit Adam update divides by its bias corrections with two fused multiply-adds
+and a multiply (``divide_exactly``, csrc/ops/cpu_loops_8bit.h). tests/scripts/
+check_exact_division.cpp compares it with the division, bit for bit, for every float in [1, 2)
+and each divisor; here it is built against the kernel's own header and run with a few hundred
+divisors (the comment in the header cites the full run)."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from torch.utils.cpp_extension import include_paths
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _avx512() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512vl", "fma"))
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or shutil.which("g++") is None or not _avx512(),
+    reason="divide_exactly is the AVX-512 variant's: needs x86-64 with AVX-512 and g++",
+)
+def test_division_without_a_division_equals_it(tmp_path):
+    binary = tmp_path / "check_exact_division"
+    includes = [f"-I{p}" for p in include_paths()]
+    source = ROOT / "tests" / "scripts" / "check_exact_division.cpp"
+    subprocess.run(
+        [
+            "g++",
+            "-O2",
+            "-std=c++17",
+            "-ffp-contract=off",
+            f"-I{ROOT / 'csrc' / 'ops'}",
+            *includes,
+            str(source),
+            "-o",
+            str(binary),
+        ],
+        check=True,
+        timeout=300,
+    )
+    run = subprocess.run([str(binary), "25", "200"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip().endswith("0 mismatches"), run.stdout
+    checked = int(run.stdout.split()[-4])
+    assert checked == 8 * 25 * 2 + 200, run.stdout
