@@ -98,32 +98,25 @@ LEANDDP_ISA_ATTR void quant8(float* __restrict x, float scale, const float* __re
 }
 
 #if LEANDDP_ISA_F16C == 512  // AVX-512
-// Whether divide_exactly may divide by d (one of the bias corrections, 1 - beta^step in float32:
-// 2^-24 at least where it is not 0): d and 1 / d normal, and x / d at most 2^124 for every x it
-// admits.
-inline bool exact_divisor(float d) { return d >= 0x1p-24f && d <= 0x1p40f; }
+// Whether divide_exactly may divide by d: a normal float in (0, 1], as the bias corrections are
+// where beta is in [0, 1).
+inline bool exact_divisor(float d) { return d >= 0x1p-126f && d <= 1.0f; }
 
-// *q = x / d, rounded as a division rounds it, without one: y = 1 / d rounded, q0 = x * y is
-// within an ulp of x / d, the remainder r = x - q0 * d is then exact (one fused multiply-add),
-// and q0 + r * y (another) rounds to x / d (Markstein's theorem; checked against the division
-// for every float in [1, 2) over 51,000 divisors, tests/scripts/check_exact_division.cpp: the
-// bias corrections of eight betas over 3000 steps, their square roots, random floats, in 89 s;
-// the tests run it with 600). Its proof needs no underflow or overflow, so
-// every lane of x must be a zero or have a magnitude in [2^-60, 2^100] (returns false, *q
-// untouched, where one does not; d: exact_divisor). A zero keeps its sign, as in a division.
-LEANDDP_ISA_ATTR C10_ALWAYS_INLINE bool divide_exactly(__m512 x, __m512 d, __m512 y, __m512* q) {
-  const __m512i abs = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
-  constexpr int32_t kLow = 0x21800000, kHigh = 0x71800000;  // the bits of 2^-60 and 2^100
-  const __mmask16 normal = _mm512_cmple_epu32_mask(_mm512_sub_epi32(abs, _mm512_set1_epi32(kLow)),
-                                                   _mm512_set1_epi32(kHigh - kLow));
-  if ((normal | _mm512_cmpeq_epi32_mask(abs, _mm512_setzero_si512())) != 0xffff) return false;
-  const __m512 q0 = _mm512_mul_ps(x, y);
-  const __m512 q1 = _mm512_fmadd_ps(_mm512_fnmadd_ps(q0, d, x), y, q0);
-  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
-  // q1's magnitude, x's sign (q1 is +0 for either zero, and has x's sign otherwise)
-  *q = _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(sign, _mm512_castps_si512(x)),
-                                           _mm512_andnot_si512(sign, _mm512_castps_si512(q1))));
-  return true;
+// x / d for every float x, rounded as the float division rounds it, without a division: x
+// widened to double, times inv = 1 / d rounded to double, rounded back to float. The product is
+// within 2^-52 relative of x / d. The quotient of two floats is never a rounding boundary of
+// floats (a midpoint M 2^k, M odd, times d's 24-bit significand is not a float, d in (0, 1]),
+// nor closer to one than 2^-49 relative (x - M 2^k d is a nonzero multiple of the product of
+// their last places; a subnormal's boundary is closer, but then so is the error): both round to
+// the same float, overflow to infinity, zeros' signs and NaNs alike
+// (tests/scripts/check_exact_division.cpp compares the two).
+LEANDDP_ISA_ATTR C10_ALWAYS_INLINE __m512 divide_exactly(__m512 x, __m512d inv) {
+  const __m256 low = _mm512_castps512_ps256(x);
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+  const __m256 q_low = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(low), inv));
+  const __m256 q_high = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(high), inv));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(q_low)),
+                                             _mm256_castps_pd(q_high), 1));
 }
 #endif
 
@@ -137,13 +130,14 @@ LEANDDP_ISA_ATTR void adam8_update_loop(float* __restrict p, const float* __rest
   const Adam8Consts c = consts;  // (as in adam_loop)
   int64_t i = 0;
 #if LEANDDP_ISA_F16C == 512
+  // (no division instruction where the bias corrections allow: divide_exactly)
   const bool exact_divisors = exact_divisor(c.bc1) && exact_divisor(c.bc2_sqrt);
   const __m512 grad_mul = _mm512_set1_ps(c.grad_mul), lr = _mm512_set1_ps(c.lr);
   const __m512 lr_wd = _mm512_set1_ps(c.lr_wd), l2 = _mm512_set1_ps(c.l2);
   const __m512 coef1 = _mm512_set1_ps(c.coef1), coef2 = _mm512_set1_ps(c.coef2);
   const __m512 bc1 = _mm512_set1_ps(c.bc1), bc2_sqrt = _mm512_set1_ps(c.bc2_sqrt);
-  const __m512 inv_bc1 = _mm512_set1_ps(1.0f / c.bc1);
-  const __m512 inv_bc2_sqrt = _mm512_set1_ps(1.0f / c.bc2_sqrt);
+  const __m512d inv_bc1 = _mm512_set1_pd(1.0 / static_cast<double>(c.bc1));
+  const __m512d inv_bc2_sqrt = _mm512_set1_pd(1.0 / static_cast<double>(c.bc2_sqrt));
   const __m512 eps = _mm512_set1_ps(c.eps);
   const __mmask16 end1 = c.end_base1 ? 0xffff : 0, end2 = c.end_base2 ? 0xffff : 0;
   for (; i + 16 <= n; i += 16) {
@@ -161,12 +155,10 @@ LEANDDP_ISA_ATTR void adam8_update_loop(float* __restrict p, const float* __rest
     const __m512 v_new = _mm512_add_ps(_mm512_mul_ps(coef2, _mm512_sub_ps(g2, vv)),
                                        _mm512_mask_blend_ps(end2, vv, g2));
     const __m512 root = _mm512_sqrt_ps(v_new);
-    __m512 root_c, m_c;  // sqrt(v_new) / bc2_sqrt, m_new / bc1
-    if (!(exact_divisors && divide_exactly(root, bc2_sqrt, inv_bc2_sqrt, &root_c) &&
-          divide_exactly(m_new, bc1, inv_bc1, &m_c))) {
-      root_c = _mm512_div_ps(root, bc2_sqrt);
-      m_c = _mm512_div_ps(m_new, bc1);
-    }
+    // sqrt(v_new) / bc2_sqrt, m_new / bc1
+    const __m512 root_c =
+        exact_divisors ? divide_exactly(root, inv_bc2_sqrt) : _mm512_div_ps(root, bc2_sqrt);
+    const __m512 m_c = exact_divisors ? divide_exactly(m_new, inv_bc1) : _mm512_div_ps(m_new, bc1);
     const __m512 denom = _mm512_add_ps(root_c, eps);
     pv = _mm512_sub_ps(pv, _mm512_div_ps(_mm512_mul_ps(lr, m_c), denom));
     _mm512_storeu_ps(p + i, pv);

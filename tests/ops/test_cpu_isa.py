@@ -117,11 +117,11 @@ for dt in (torch.float32, torch.bfloat16):
         ops.adam8bit_step_(p, g, m, v, sm, sv, qs, qu, lr=1e-2, beta1=0.9, beta2=0.99,
                            eps=1e-8, weight_decay=0.1, step=step, grad_scale=0.9)
     out["adam8 " + str(dt)] = [p, m, v, sm, sv]
-# The update at edge values: the AVX-512 loop divides by the bias corrections with multiply-adds
-# only where every lane of 16 is a zero or a magnitude in [2^-60, 2^100]; the other vectors take
-# the division. Plain state holds the moments as given: lanes drawn from moderate values (zeros
-# of both signs included) and, in a second parameter, from tiny, subnormal and huge ones too,
-# with gradients from 0 to 1e20 there (whose square is infinite: some parameters end as NaN).
+# The update at edge values (the AVX-512 loop divides by the bias corrections without a division
+# instruction, in double precision). Plain state holds the moments as given: lanes drawn from
+# moderate values (zeros of both signs included) and, in a second parameter, from tiny,
+# subnormal and huge ones too, with gradients from 0 to 1e20 there (whose square is infinite:
+# some parameters end as NaN).
 moderate = torch.tensor([0.0, -0.0, 1.0, -1e-3, 1e-18, -1e29, 3e-7, 2.5])
 extreme = torch.cat([moderate, torch.tensor([1e-30, -1e-40, 1e-19, -1e31, 3e38])])
 pick = lambda values, n: values[(randn(n).abs() * 1e4).long() % values.numel()]

@@ -1,8 +1,9 @@
-"""The AVX-512 8-bit Adam update divides by its bias corrections with two fused multiply-adds
-and a multiply (``divide_exactly``, csrc/ops/cpu_loops_8bit.h). tests/scripts/
-check_exact_division.cpp compares it with the division, bit for bit, for every float in [1, 2)
-and each divisor; here it is built against the kernel's own header and run with a few hundred
-divisors (the comment in the header cites the full run)."""
+"""The AVX-512 8-bit Adam update divides by its bias corrections without a division
+instruction (``divide_exactly``, csrc/ops/cpu_loops_8bit.h: a multiply in double precision by
+the reciprocal, rounded back to float). tests/scripts/check_exact_division.cpp compares it with
+the division, bit for bit, for every float in [1, 2) and a stride over all others (signs,
+zeros, subnormals, infinities, NaNs) and each divisor; here it is built against the kernel's own
+header and run with 600 divisors (the header's comment says why it cannot differ)."""
 
 from __future__ import annotations
 
