@@ -52,8 +52,8 @@ struct CpuLoops {
   void (*adam8_quant)(float* p, const float* g, uint8_t* cm, uint8_t* cv, float* sm, float* sv,
                       const QuantMaps& maps, int64_t n, const Adam8Consts& c, float* mbuf,
                       float* vbuf);
-  // The codes of x[i] / scale (x: scratch, overwritten) through `table` if exact, else the
-  // binary search (optim8_math.h's quantize_code either way).
+  // The codes of x[i] / scale (x: scratch, which it may overwrite) through `table` if exact, else
+  // the binary search (optim8_math.h's quantize_code either way).
   void (*quant8)(float* x, float scale, const float* qmap, const QuantTable* table, uint8_t* codes,
                  int64_t n);
   // ... or n elements of a parameter with plain float moments.

@@ -63,7 +63,7 @@ LEANDDP_ISA_ATTR int64_t quant8_gathered(const float* __restrict x, float scale,
 }
 #endif
 
-// codes[i] = the code of x[i] / scale (quantize_code's); x is overwritten (scratch).
+// codes[i] = the code of x[i] / scale (quantize_code's); x is scratch, which it may overwrite.
 LEANDDP_ISA_ATTR void quant8(float* __restrict x, float scale, const float* __restrict qmap,
                              const QuantTable* table, uint8_t* __restrict codes, int64_t n) {
   if (table == nullptr || !table->exact) {
