@@ -126,7 +126,7 @@ def _offload(rank: int, world_size: int) -> None:
     """offload_to_cpu with the 8-bit state on the host, stepped by the CPU kernel: float32
     parameters against torch's DDP + torchao bit for bit (accumulation, groups, an LR
     scheduler); with max_grad_norm the clipping coefficients may differ in the last bit, and a
-    code then round one step apart: within 1e-5 relative and code_step_atol, and most codes
+    code may then round one step apart: within 1e-5 relative and code_step_atol, and most codes
     equal. The state, float32 on the host, in torchao's format."""
     variants = [
         ("offload", ADAMW8, 2, None),
