@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <utility>
 
 namespace leanddp::ops {
 namespace {
@@ -94,9 +95,13 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
   const auto sm_at = addresses(exp_avg_scale, true), sv_at = addresses(exp_avg_sq_scale, true);
   const auto copy_at = addresses(param_copy, true);
 
-  const auto step_unit = [&](size_t t, int64_t u, Scratch& s) {
+  // Unit u of tensor t: its first element and its length.
+  const auto span_of = [&](size_t t, int64_t u) {
     const int64_t first = u * unit[t];
-    const int64_t len = std::min(unit[t], params[t].numel() - first);
+    return std::pair<int64_t, int64_t>{first, std::min(unit[t], params[t].numel() - first)};
+  };
+  const auto step_unit = [&](size_t t, int64_t u, Scratch& s) {
+    const auto [first, len] = span_of(t, u);
     float* p = as_float(param_dtype, p_at[t], first, len, s.p);
     const float* g = as_float(grad_dtype, g_at[t], first, len, s.g);
     if (quantized[t]) {
@@ -120,8 +125,7 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
   // prefetchers stop at each page's end (4 KiB: four blocks of 256 floats), and the step waited
   // on memory there (benchmarks/results/host_step.md Run 7).
   const auto prefetch_block = [&](size_t t, int64_t u) {
-    const int64_t first = u * unit[t];
-    const int64_t len = std::min(unit[t], params[t].numel() - first);
+    const auto [first, len] = span_of(t, u);
     prefetch(p_at[t] + first * params[t].element_size(), len * params[t].element_size());
     prefetch(g_at[t] + first * grads[t].element_size(), len * grads[t].element_size());
     prefetch(m_at[t] + first, len);

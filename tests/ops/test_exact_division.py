@@ -7,7 +7,6 @@ header and run with 600 divisors (the header's comment says why it cannot differ
 
 from __future__ import annotations
 
-import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,20 +14,14 @@ from pathlib import Path
 import pytest
 from torch.utils.cpp_extension import include_paths
 
+import leanddp
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _avx512() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512vl", "fma"))
-
-
 @pytest.mark.skipif(
-    platform.machine() != "x86_64" or shutil.which("g++") is None or not _avx512(),
-    reason="divide_exactly is the AVX-512 variant's: needs x86-64 with AVX-512 and g++",
+    leanddp.build_info()["cpu_isa"] != "avx512" or shutil.which("g++") is None,
+    reason="divide_exactly is the AVX-512 variant's: needs the CPU it runs on and g++",
 )
 def test_division_without_a_division_equals_it(tmp_path):
     binary = tmp_path / "check_exact_division"
