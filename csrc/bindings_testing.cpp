@@ -179,24 +179,27 @@ void bind_testing(py::module_& m) {
         "drops after an error; True once it completed there.");
   t.def(
       "quantize8",
-      [](const at::Tensor& x, const at::Tensor& qmap, bool table) {
+      [](const at::Tensor& x, const at::Tensor& qmap, bool table, bool bounded) {
         TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.is_cpu(),
                     "quantize8: x must be a contiguous float32 CPU tensor");
         TORCH_CHECK(qmap.scalar_type() == at::kFloat && qmap.numel() == leanddp::ops::kQmapSize &&
                         qmap.is_contiguous() && qmap.is_cpu(),
                     "quantize8: qmap must be 256 contiguous float32 entries on the CPU");
+        TORCH_CHECK(!bounded || x.abs().le(1).all().item<bool>(),
+                    "quantize8: bounded needs every x in [-1, 1] (no NaN)");
         at::Tensor scratch = x.clone();
         at::Tensor codes = at::empty_like(x, x.options().dtype(at::kByte));
         const float* q = qmap.const_data_ptr<float>();
         const leanddp::ops::QuantTable* t = table ? &leanddp::ops::quant_table(q) : nullptr;
         TORCH_CHECK(!table || t->exact, "quantize8: this map has no exact tables");
-        leanddp::ops::cpu_loops().quant8(scratch.data_ptr<float>(), 1.0f, q, t,
+        leanddp::ops::cpu_loops().quant8(scratch.data_ptr<float>(), 1.0f, bounded, q, t,
                                          codes.data_ptr<uint8_t>(), x.numel());
         return codes;
       },
-      py::arg("x"), py::arg("qmap"), py::arg("table"),
+      py::arg("x"), py::arg("qmap"), py::arg("table"), py::arg("bounded") = false,
       "8-bit Adam's codes of x against qmap (csrc/ops/cpu_loops_8bit.h, this CPU's "
-      "instruction set), through quant_table's look-ups (`table`) or torchao's binary search.");
+      "instruction set), through quant_table's look-ups (`table`) or torchao's binary search; "
+      "`bounded`: the path for x known to lie in [-1, 1].");
   t.def(
       "parallel_threads",
       [] {

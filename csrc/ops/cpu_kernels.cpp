@@ -7,6 +7,8 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <vector>

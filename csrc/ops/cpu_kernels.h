@@ -53,9 +53,10 @@ struct CpuLoops {
                       const QuantMaps& maps, int64_t n, const Adam8Consts& c, float* mbuf,
                       float* vbuf);
   // The codes of x[i] / scale (x: scratch, which it may overwrite) through `table` if exact, else
-  // the binary search (optim8_math.h's quantize_code either way).
-  void (*quant8)(float* x, float scale, const float* qmap, const QuantTable* table, uint8_t* codes,
-                 int64_t n);
+  // the binary search (optim8_math.h's quantize_code either way). bounded: the caller knows every
+  // x[i] / scale to be a number in [-1, 1] (a finite scale at least every |x[i]|).
+  void (*quant8)(float* x, float scale, bool bounded, const float* qmap, const QuantTable* table,
+                 uint8_t* codes, int64_t n);
   // ... or n elements of a parameter with plain float moments.
   void (*adam8_plain)(float* p, const float* g, float* m, float* v, int64_t n,
                       const Adam8Consts& c);

@@ -1,14 +1,27 @@
 // Inner loops of the block-wise 8-bit Adam(W) CPU kernel (optim8_cpu.cpp), included by
 // cpu_loops.h inside each instruction set's namespace (no include guard, on purpose). The
 // arithmetic is optim8_math.h's. A block is stepped in passes over its moments held as floats
-// in scratch buffers (in L1): dequantize, update, the largest magnitudes (an integer maximum,
-// abs_bits), requantize. The update, the maxima and the quantization's divisions and bucket
-// keys are vectorized. The table look-ups (one per element to dequantize, and one to quantize,
-// quant_table.h, where its table is exact, else torchao's binary search) are AVX-512 gathers
-// where the instruction set has them, scalar loads elsewhere. The compiler turns the scalar
-// loops into emulated gathers (element by element through general registers): the step took
-// 1.65 times as long that way on an Intel Xeon (benchmarks/results/host_step.md Run 7), and
-// about as long as with gathers on an AMD Zen 4 (Run 6, at an earlier stage of the kernel).
+// in scratch buffers (in L1): dequantize; update, taking the new moments' largest magnitudes
+// (an integer maximum, abs_bits) as it goes; requantize. The update, the maxima and the
+// quantization's divisions and bucket keys are vectorized. The table look-ups (one per element to
+// dequantize, and one to quantize, quant_table.h, where its table is exact, else torchao's binary
+// search) are AVX-512 gathers where the instruction set has them, scalar loads elsewhere. The
+// compiler turns the scalar loops into emulated gathers (element by element through general
+// registers): the step took 1.65 times as long that way on an Intel Xeon
+// (benchmarks/results/host_step.md Run 7), and about as long as with gathers on an AMD Zen 4 (Run
+// 6, at an earlier stage of the kernel).
+
+// Asks for the cache line `bytes` past `base` (a hint: any address, computed as an integer; no
+// effect where the compiler has none).
+// The kernel's loops ask for the memory two blocks ahead of the one they step, a cache line each
+// pass, where a parameter's next blocks lie (the hardware prefetchers stop at each 4 KiB page,
+// four blocks of 256 floats, and the step waited on memory there: benchmarks/results/
+// host_step.md Runs 7 and 8); past a tensor's end the hint is merely wasted.
+inline void prefetch_line(const void* base, int64_t bytes) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(base) + bytes));
+#endif
+}
 
 // dst[i] = qmap[codes[i]] * scale.
 LEANDDP_ISA_ATTR void dequant8(const uint8_t* __restrict codes, const float* __restrict qmap,
@@ -17,6 +30,7 @@ LEANDDP_ISA_ATTR void dequant8(const uint8_t* __restrict codes, const float* __r
 #if LEANDDP_ISA_F16C == 512  // AVX-512
   const __m512 vscale = _mm512_set1_ps(scale);
   for (; i + 16 <= n; i += 16) {
+    if (i % 64 == 0) prefetch_line(codes, 2 * n + i);
     const __m512i idx =
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
     _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_i32gather_ps(idx, qmap, 4), vscale));
@@ -28,6 +42,9 @@ LEANDDP_ISA_ATTR void dequant8(const uint8_t* __restrict codes, const float* __r
 #if LEANDDP_ISA_F16C == 512  // AVX-512
 // quant8's table path for the first n - n % 16 elements (returned): QuantTable's bucket, one
 // gathered entry and its code per element, 16 at a time, as the scalar path computes them.
+// kBounded: every x / scale is a number in [-1, 1] (scale finite, at least every |x|), so no
+// key passes 1.0's and no NaN needs its code 0.
+template <bool kBounded>
 LEANDDP_ISA_ATTR int64_t quant8_gathered(const float* __restrict x, float scale,
                                          const QuantTable& table, uint8_t* __restrict codes,
                                          int64_t n) {
@@ -38,7 +55,6 @@ LEANDDP_ISA_ATTR int64_t quant8_gathered(const float* __restrict x, float scale,
   const __m512i key_high = _mm512_set1_epi32(QuantTable::kKeyHigh);
   const __m512i keys = _mm512_set1_epi32(QuantTable::kKeys);
   const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
-  const __m512i base_mask = _mm512_set1_epi32(0xff);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m512 xn = _mm512_div_ps(_mm512_loadu_ps(x + i), vscale);
@@ -47,16 +63,22 @@ LEANDDP_ISA_ATTR int64_t quant8_gathered(const float* __restrict x, float scale,
     const __mmask16 negative = _mm512_cmplt_epi32_mask(u, zero);  // the sign bit
     // bucket(abs, sign) and within(abs, sign)
     __m512i key = _mm512_srli_epi32(abs, QuantTable::kShift);
-    key = _mm512_sub_epi32(_mm512_min_epi32(_mm512_max_epi32(key, key_low), key_high), key_low);
+    if constexpr (kBounded) {  // key - kKeyLow, or 0 below it (a 16-bit saturating subtraction)
+      key = _mm512_subs_epu16(key, key_low);
+    } else {
+      key = _mm512_sub_epi32(_mm512_min_epi32(_mm512_max_epi32(key, key_low), key_high), key_low);
+    }
     key = _mm512_mask_add_epi32(key, negative, key, keys);
     const __m512i low = _mm512_and_si512(abs, low_mask);
     const __m512i within = _mm512_mask_sub_epi32(low, negative, zero, low);
-    // code(entry, within); a NaN's code is 0
+    // code(entry, within): the entry, plus one where within passes its threshold, has the code
+    // in its low byte, which the narrowing keeps (a base of 255 has no threshold); a NaN's is 0
     const __m512i entry = _mm512_i32gather_epi32(key, table.entry, 4);
-    __m512i code = _mm512_and_si512(entry, base_mask);
     const __mmask16 up = _mm512_cmpge_epi32_mask(within, _mm512_srai_epi32(entry, 8));
-    code = _mm512_mask_add_epi32(code, up, code, one);
-    code = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(xn, xn, _CMP_ORD_Q), code);
+    __m512i code = _mm512_mask_add_epi32(entry, up, entry, one);
+    if constexpr (!kBounded) {
+      code = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(xn, xn, _CMP_ORD_Q), code);
+    }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(code));
   }
   return i;
@@ -64,8 +86,10 @@ LEANDDP_ISA_ATTR int64_t quant8_gathered(const float* __restrict x, float scale,
 #endif
 
 // codes[i] = the code of x[i] / scale (quantize_code's); x is scratch, which it may overwrite.
-LEANDDP_ISA_ATTR void quant8(float* __restrict x, float scale, const float* __restrict qmap,
-                             const QuantTable* table, uint8_t* __restrict codes, int64_t n) {
+// kBounded: as quant8_gathered's.
+template <bool kBounded>
+LEANDDP_ISA_ATTR void quant8_block(float* __restrict x, float scale, const float* __restrict qmap,
+                                   const QuantTable* table, uint8_t* __restrict codes, int64_t n) {
   if (table == nullptr || !table->exact) {
     for (int64_t i = 0; i < n; ++i)
       codes[i] = static_cast<uint8_t>(quantize_code(x[i] / scale, qmap));
@@ -73,7 +97,7 @@ LEANDDP_ISA_ATTR void quant8(float* __restrict x, float scale, const float* __re
   }
   int64_t done = 0;
 #if LEANDDP_ISA_F16C == 512
-  done = quant8_gathered(x, scale, *table, codes, n);
+  done = quant8_gathered<kBounded>(x, scale, *table, codes, n);
 #endif
   const int32_t* entries = table->entry;
   constexpr int64_t kStep = 256;
@@ -97,50 +121,86 @@ LEANDDP_ISA_ATTR void quant8(float* __restrict x, float scale, const float* __re
   }
 }
 
-#if LEANDDP_ISA_F16C == 512  // AVX-512
-// Whether divide_exactly may divide by d: a normal float in (0, 1], as the bias corrections are
-// where beta is in [0, 1).
-inline bool exact_divisor(float d) { return d >= 0x1p-126f && d <= 1.0f; }
-
-// x / d for every float x, rounded as the float division rounds it, without a division: x
-// widened to double, times inv = 1 / d rounded to double, rounded back to float. The product is
-// within 2^-52 relative of x / d. The quotient of two floats is never a rounding boundary of
-// floats (a midpoint M 2^k, M odd, times d's 24-bit significand is not a float, d in (0, 1]),
-// nor closer to one than 2^-49 relative (x - M 2^k d is a nonzero multiple of the product of
-// their last places; a subnormal's boundary is closer, but then so is the error): both round to
-// the same float, overflow to infinity, zeros' signs and NaNs alike
-// (tests/scripts/check_exact_division.cpp compares the two).
-LEANDDP_ISA_ATTR C10_ALWAYS_INLINE __m512 divide_exactly(__m512 x, __m512d inv) {
-  const __m256 low = _mm512_castps512_ps256(x);
-  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
-  const __m256 q_low = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(low), inv));
-  const __m256 q_high = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(high), inv));
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(q_low)),
-                                             _mm256_castps_pd(q_high), 1));
+// quant8_block, bounded or not.
+LEANDDP_ISA_ATTR void quant8(float* __restrict x, float scale, bool bounded,
+                             const float* __restrict qmap, const QuantTable* table,
+                             uint8_t* __restrict codes, int64_t n) {
+  bounded ? quant8_block<true>(x, scale, qmap, table, codes, n)
+          : quant8_block<false>(x, scale, qmap, table, codes, n);
 }
+
+#if LEANDDP_ISA_F16C == 512  // AVX-512
+// Division by a constant d in [2^-26, 1] (a bias correction), rounded as the division rounds it,
+// in four multiply-adds, where x is 0 or |x| is in [2^-96, 2^100]; other lanes (NaNs,
+// infinities, the far ends) divide. With d's Reciprocal (y = RN(1/d), hi = RD(1/d), lo >= 0 the
+// rest, hi + lo = 1/d to 2^-46 relative): x hi + RN(x lo) is within 2^-45 relative of x / d, so
+// q0, its rounding, is within one ulp of x / d (x lo may be subnormal: its error is then under
+// 2^-150, still below 2^-54 of x / d); then r = x - q0 d is a float, computed exactly by a
+// multiply-add (r is a multiple of 2^(e - 47), e the exponent of x, at least 2^-143: x's lower
+// bound), and RN(q0 + r y) = RN(x / d) (Markstein's theorem: y within half an ulp of 1/d, q0
+// within one ulp of x / d). The upper bounds keep x / d under 2^126. Zeros keep their sign:
+// q0 = x, r = +0, q0 - (+0) y = q0. tests/scripts/check_exact_division.cpp compares it with the
+// division.
+class ExactDivisor {
+ public:
+  // whether d is in range and r its reciprocal_of
+  static bool usable(float d, const Reciprocal& r) {
+    return d >= 0x1p-26f && d <= 1.0f && r.d == d;
+  }
+
+  // d and its reciprocal_of (optim8_math.h)
+  LEANDDP_ISA_ATTR ExactDivisor(float d, const Reciprocal& r)
+      : d_(_mm512_set1_ps(d)),
+        y_(_mm512_set1_ps(r.y)),
+        hi_(_mm512_set1_ps(r.hi)),
+        lo_(_mm512_set1_ps(r.lo)) {}
+
+  LEANDDP_ISA_ATTR C10_ALWAYS_INLINE __m512 divide(__m512 x) const {
+    const __m512 q0 = _mm512_fmadd_ps(x, hi_, _mm512_mul_ps(x, lo_));
+    const __m512 minus_r = _mm512_fmsub_ps(q0, d_, x);  // +0 for x = +-0
+    __m512 q = _mm512_fnmadd_ps(minus_r, y_, q0);
+    // lanes neither 0 nor in [2^-96, 2^100]: |x|'s bits less 2^-96's, unsigned, past the range
+    const __m512i abs = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 other = _mm512_mask_cmpgt_epu32_mask(
+        _mm512_test_epi32_mask(abs, abs), _mm512_sub_epi32(abs, _mm512_set1_epi32(kLowBits)),
+        _mm512_set1_epi32(kHighBits - kLowBits));
+    if (other != 0) q = _mm512_mask_div_ps(q, other, x, d_);
+    return q;
+  }
+
+ private:
+  static constexpr int32_t kLowBits = (127 - 96) << 23, kHighBits = (127 + 100) << 23;
+  __m512 d_, y_, hi_, lo_;
+};
 #endif
 
 // adam8_update over n elements in place: p, and the moments m, v from their old values to their
 // new ones. AVX-512 steps 16 lanes at a time with the same operations in the same order, its two
-// divisions by the bias corrections as divide_exactly's where it can.
-template <bool kDecoupled>
+// divisions by the bias corrections as ExactDivisor's where it can. kMaxima: maxima[0] and [1]
+// are set to the largest abs_bits of the new m and v.
+template <bool kDecoupled, bool kMaxima = false>
 LEANDDP_ISA_ATTR void adam8_update_loop(float* __restrict p, const float* __restrict g,
                                         float* __restrict m, float* __restrict v, int64_t n,
-                                        const Adam8Consts& consts) {
+                                        const Adam8Consts& consts, uint32_t* maxima = nullptr) {
   const Adam8Consts c = consts;  // (as in adam_loop)
   int64_t i = 0;
+  uint32_t bm = 0, bv = 0;
 #if LEANDDP_ISA_F16C == 512
-  // (no division instruction where the bias corrections allow: divide_exactly)
-  const bool exact_divisors = exact_divisor(c.bc1) && exact_divisor(c.bc2_sqrt);
+  // (no division instruction where the bias corrections allow: ExactDivisor)
+  const bool exact =
+      ExactDivisor::usable(c.bc1, c.inv_bc1) && ExactDivisor::usable(c.bc2_sqrt, c.inv_bc2_sqrt);
+  const ExactDivisor by_bc1(c.bc1, c.inv_bc1), by_bc2_sqrt(c.bc2_sqrt, c.inv_bc2_sqrt);
   const __m512 grad_mul = _mm512_set1_ps(c.grad_mul), lr = _mm512_set1_ps(c.lr);
   const __m512 lr_wd = _mm512_set1_ps(c.lr_wd), l2 = _mm512_set1_ps(c.l2);
   const __m512 coef1 = _mm512_set1_ps(c.coef1), coef2 = _mm512_set1_ps(c.coef2);
   const __m512 bc1 = _mm512_set1_ps(c.bc1), bc2_sqrt = _mm512_set1_ps(c.bc2_sqrt);
-  const __m512d inv_bc1 = _mm512_set1_pd(1.0 / static_cast<double>(c.bc1));
-  const __m512d inv_bc2_sqrt = _mm512_set1_pd(1.0 / static_cast<double>(c.bc2_sqrt));
   const __m512 eps = _mm512_set1_ps(c.eps);
   const __mmask16 end1 = c.end_base1 ? 0xffff : 0, end2 = c.end_base2 ? 0xffff : 0;
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  __m512i vbm = _mm512_setzero_si512(), vbv = _mm512_setzero_si512();
   for (; i + 16 <= n; i += 16) {
+    prefetch_line(p, (2 * n + i) * static_cast<int64_t>(sizeof(float)));
+    prefetch_line(g, (2 * n + i) * static_cast<int64_t>(sizeof(float)));
     __m512 pv = _mm512_loadu_ps(p + i);
     __m512 gv = _mm512_mul_ps(_mm512_loadu_ps(g + i), grad_mul);
     if constexpr (kDecoupled) {
@@ -156,17 +216,39 @@ LEANDDP_ISA_ATTR void adam8_update_loop(float* __restrict p, const float* __rest
                                        _mm512_mask_blend_ps(end2, vv, g2));
     const __m512 root = _mm512_sqrt_ps(v_new);
     // sqrt(v_new) / bc2_sqrt, m_new / bc1
-    const __m512 root_c =
-        exact_divisors ? divide_exactly(root, inv_bc2_sqrt) : _mm512_div_ps(root, bc2_sqrt);
-    const __m512 m_c = exact_divisors ? divide_exactly(m_new, inv_bc1) : _mm512_div_ps(m_new, bc1);
+    const __m512 root_c = exact ? by_bc2_sqrt.divide(root) : _mm512_div_ps(root, bc2_sqrt);
+    const __m512 m_c = exact ? by_bc1.divide(m_new) : _mm512_div_ps(m_new, bc1);
     const __m512 denom = _mm512_add_ps(root_c, eps);
     pv = _mm512_sub_ps(pv, _mm512_div_ps(_mm512_mul_ps(lr, m_c), denom));
     _mm512_storeu_ps(p + i, pv);
     _mm512_storeu_ps(m + i, m_new);
     _mm512_storeu_ps(v + i, v_new);
+    if constexpr (kMaxima) {
+      vbm = _mm512_max_epu32(vbm, _mm512_and_si512(_mm512_castps_si512(m_new), abs_mask));
+      vbv = _mm512_max_epu32(vbv, _mm512_and_si512(_mm512_castps_si512(v_new), abs_mask));
+    }
+  }
+  if constexpr (kMaxima) {  // (by hand: GCC 12 warns inside _mm512_reduce_max_epu32)
+    alignas(64) uint32_t lanes[2][16];
+    _mm512_store_si512(lanes[0], vbm);
+    _mm512_store_si512(lanes[1], vbv);
+    for (int k = 0; k < 16; ++k) {
+      bm = std::max(bm, lanes[0][k]);
+      bv = std::max(bv, lanes[1][k]);
+    }
   }
 #endif
-  for (; i < n; ++i) adam8_update<kDecoupled>(p[i], g[i], m[i], v[i], m[i], v[i], c);
+  for (; i < n; ++i) {
+    adam8_update<kDecoupled>(p[i], g[i], m[i], v[i], m[i], v[i], c);
+    if constexpr (kMaxima) {
+      bm = std::max(bm, abs_bits(m[i]));
+      bv = std::max(bv, abs_bits(v[i]));
+    }
+  }
+  if constexpr (kMaxima) {
+    maxima[0] = bm;
+    maxima[1] = bv;
+  }
 }
 
 // One quantization block of n elements: parameters p (float) stepped in place from gradients g;
@@ -181,17 +263,14 @@ LEANDDP_ISA_ATTR void adam8_quant_loop(float* __restrict p, const float* __restr
   const Adam8Consts c = consts;  // (as in adam_loop)
   dequant8(cm, maps.qs, *sm, mbuf, n);
   dequant8(cv, maps.qu, *sv, vbuf, n);
-  adam8_update_loop<kDecoupled>(p, g, mbuf, vbuf, n, c);
-  uint32_t bm = 0, bv = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t am = abs_bits(mbuf[i]), av = abs_bits(vbuf[i]);
-    bm = am > bm ? am : bm;
-    bv = av > bv ? av : bv;
-  }
-  *sm = quant_scale(from_bits(bm));
-  *sv = quant_scale(from_bits(bv));
-  quant8(mbuf, *sm, maps.qs, maps.ts, cm, n);
-  quant8(vbuf, *sv, maps.qu, maps.tu, cv, n);
+  uint32_t maxima[2];
+  adam8_update_loop<kDecoupled, true>(p, g, mbuf, vbuf, n, c, maxima);
+  *sm = quant_scale(from_bits(maxima[0]));
+  *sv = quant_scale(from_bits(maxima[1]));
+  // a finite largest magnitude bounds every x / scale by 1
+  constexpr uint32_t kInfBits = 0x7f800000u;
+  quant8(mbuf, *sm, maxima[0] < kInfBits, maps.qs, maps.ts, cm, n);
+  quant8(vbuf, *sv, maxima[1] < kInfBits, maps.qu, maps.tu, cv, n);
 }
 
 LEANDDP_ISA_ATTR void adam8_quant_block(float* __restrict p, const float* __restrict g,

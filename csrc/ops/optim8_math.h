@@ -31,6 +31,30 @@ constexpr int64_t kMaxQuantBlock = 4096;
 constexpr int kQmapSize = 256;
 constexpr float kMinScale = 1e-12f;  // torchao: scale.clip(1e-12)
 
+// 1/d for a division by a constant d without a division (cpu_loops_8bit.h's ExactDivisor):
+// y = RN(1/d), and hi + lo = 1/d to 2^-46 relative, hi = RD(1/d), lo >= 0.
+struct Reciprocal {
+  float d = 1.0f;  // the divisor these are of
+  float y = 1.0f, hi = 1.0f, lo = 0.0f;
+};
+
+// d's Reciprocal, for d in (0, 1] (else 1's).
+inline Reciprocal reciprocal_of(float d) {
+  Reciprocal r;
+  if (!(d > 0.0f && d <= 1.0f)) return r;
+  r.d = d;
+  r.y = 1.0f / d;
+  r.hi = r.y;
+  // exact: d y has 48 bits, and is within 2^-23 of 1 (Sterbenz's lemma for the subtraction)
+  double rest = 1.0 - static_cast<double>(d) * r.y;
+  if (rest < 0) {
+    r.hi = std::nextafter(r.y, 0.0f);
+    rest = 1.0 - static_cast<double>(d) * r.hi;
+  }
+  r.lo = static_cast<float>(rest / d);
+  return r;
+}
+
 struct Adam8Consts {
   float grad_mul;  // clipping's scale (1 if none)
   float lr;
@@ -43,7 +67,8 @@ struct Adam8Consts {
   float bc1;       // 1 - beta1^step (float32)
   float bc2_sqrt;  // sqrt(1 - beta2^step)
   float eps;
-  bool decoupled;  // AdamW (else Adam's L2 term)
+  bool decoupled;                    // AdamW (else Adam's L2 term)
+  Reciprocal inv_bc1, inv_bc2_sqrt;  // (the CPU kernel's)
 };
 
 inline Adam8Consts make_adam8_consts(double lr, double beta1, double beta2, double eps,
@@ -66,6 +91,8 @@ inline Adam8Consts make_adam8_consts(double lr, double beta1, double beta2, doub
   c.bc2_sqrt = std::sqrt(1.0f - std::pow(static_cast<float>(beta2), s));
   c.eps = static_cast<float>(eps);
   c.decoupled = decoupled;
+  c.inv_bc1 = reciprocal_of(c.bc1);
+  c.inv_bc2_sqrt = reciprocal_of(c.bc2_sqrt);
   return c;
 }
 

@@ -1,9 +1,10 @@
 """The AVX-512 8-bit Adam update divides by its bias corrections without a division
-instruction (``divide_exactly``, csrc/ops/cpu_loops_8bit.h: a multiply in double precision by
-the reciprocal, rounded back to float). tests/scripts/check_exact_division.cpp compares it with
-the division, bit for bit, for every float in [1, 2) and a stride over all others (signs,
-zeros, subnormals, infinities, NaNs) and each divisor; here it is built against the kernel's own
-header and run with 600 divisors (the header's comment says why it cannot differ)."""
+instruction (``ExactDivisor``, csrc/ops/cpu_loops_8bit.h: a quotient from a two-part
+reciprocal, corrected once by its exact remainder). tests/scripts/check_exact_division.cpp
+compares it with the division, bit for bit, for every float in [1, 2) and a stride over all
+others (signs, zeros, subnormals, infinities, NaNs, the ends of its range) and each divisor; here
+it is built against the kernel's own header and run with 800 divisors (the header's comment says
+why it cannot differ)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(
     leanddp.build_info()["cpu_isa"] != "avx512" or shutil.which("g++") is None,
-    reason="divide_exactly is the AVX-512 variant's: needs the CPU it runs on and g++",
+    reason="ExactDivisor is the AVX-512 variant's: needs the CPU it runs on and g++",
 )
 def test_division_without_a_division_equals_it(tmp_path):
     binary = tmp_path / "check_exact_division"
@@ -46,4 +47,4 @@ def test_division_without_a_division_equals_it(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.strip().endswith("0 mismatches"), run.stdout
     checked = int(run.stdout.split()[-4])
-    assert checked == 8 * 25 * 2 + 200, run.stdout
+    assert checked == 8 * 25 * 2 + 2 * 200, run.stdout

@@ -215,7 +215,8 @@ def _sweep(qmap: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_quantizer_tables_equal_the_binary_search(signed):
-    """quant_table's two look-ups give the binary search's codes, and both torchao's."""
+    """quant_table's two look-ups give the binary search's codes, and both torchao's; so does
+    the path for blocks known to lie in [-1, 1] (no NaN, no clamp above 1.0)."""
     from torchao.optim.quant_utils import quantize_8bit_with_qmap
 
     from leanddp._C import _testing
@@ -227,3 +228,7 @@ def test_quantizer_tables_equal_the_binary_search(signed):
     theirs = quantize_8bit_with_qmap(x, qmap)
     assert torch.equal(fast, search), f"{(fast != search).sum()} of {x.numel()} codes differ"
     assert torch.equal(search, theirs), f"{(search != theirs).sum()} of {x.numel()} differ"
+    inside = x.abs() <= 1
+    bounded = _testing.quantize8(x[inside].contiguous(), qmap, True, bounded=True)
+    assert inside.sum() > x.numel() * 0.9
+    assert torch.equal(bounded, fast[inside]), f"{(bounded != fast[inside]).sum()} differ"

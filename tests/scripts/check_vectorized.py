@@ -21,8 +21,8 @@ from pathlib import Path
 #: loops are the packed square root; SGD and scaling are packed multiplies (the fp16 one-pass
 #: loops as well); the bf16 conversions
 #: are packed integer shifts and the fp16 ones (F16C, AVX2 and AVX-512 only) packed converts;
-#: 8-bit Adam's quantization divides by the block's scale in packed form (its update loop serves
-#: both kinds of state).
+#: 8-bit Adam's quantization divides by the block's scale in packed form. Its update loop serves
+#: both kinds of state, and the compiler may inline it into their blocks' functions.
 LOOPS = [
     ("adam", r"::adam_(block|amp|loop)\b", r"sqrtps"),
     ("sgd", r"::sgd_(block|loop)\b", r"mulps"),
@@ -35,8 +35,9 @@ LOOPS = [
     ("scale fp16", r"scale_half_block", r"mulps"),
     ("adam fp16", r"::adam_half_(block|amp|loop)\b", r"sqrtps"),
     ("sgd fp16", r"::sgd_half_(block|loop)\b", r"mulps"),
-    ("adam8 update", r"::adam8_update_loop\b", r"sqrtps"),
-    ("adam8 quantize", r"::quant8\b", r"divps"),
+    ("adam8 update", r"::adam8_(quant_loop\b|update_loop<(true|false), true>)", r"sqrtps"),
+    ("adam8 plain", r"::adam8_(plain_block\b|update_loop<(true|false), false>)", r"sqrtps"),
+    ("adam8 quantize", r"::quant8(_block)?\b", r"divps"),
 ]
 REGISTER = {"baseline": "%xmm", "avx2": "%ymm", "avx512": "%zmm"}
 NO_F16C = {"baseline"}  # x86-64's baseline has no fp16 conversion instructions
