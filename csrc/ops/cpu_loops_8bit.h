@@ -5,11 +5,11 @@
 // (an integer maximum, abs_bits) as it goes; requantize. The update, the maxima and the
 // quantization's divisions and bucket keys are vectorized. The table look-ups (one per element to
 // dequantize, and one to quantize, quant_table.h, where its table is exact, else torchao's binary
-// search) are AVX-512 gathers where the instruction set has them, scalar loads elsewhere. The
+// search) are gathers with AVX-512 (16 lanes) and AVX2 (8), scalar loads in the baseline. The
 // compiler turns the scalar loops into emulated gathers (element by element through general
-// registers): the step took 1.65 times as long that way on an Intel Xeon
-// (benchmarks/results/host_step.md Run 7), and about as long as with gathers on an AMD Zen 4 (Run
-// 6, at an earlier stage of the kernel).
+// registers): the step took 1.65 times as long that way with AVX-512 and 1.5 times with AVX2 on
+// an Intel Xeon (benchmarks/results/host_step.md Runs 7 and 8), and about as long as with
+// gathers on an AMD Zen 4 (Run 6, at an earlier stage of the kernel).
 
 // Asks for the cache line `bytes` past `base` (a hint: any address, computed as an integer; no
 // effect where the compiler has none).
@@ -34,6 +34,14 @@ LEANDDP_ISA_ATTR void dequant8(const uint8_t* __restrict codes, const float* __r
     const __m512i idx =
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
     _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_i32gather_ps(idx, qmap, 4), vscale));
+  }
+#elif LEANDDP_ISA_F16C == 256  // AVX2
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (; i + 8 <= n; i += 8) {
+    if (i % 64 == 0) prefetch_line(codes, 2 * n + i);
+    const __m256i idx =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_i32gather_ps(qmap, idx, 4), vscale));
   }
 #endif
   for (; i < n; ++i) dst[i] = qmap[codes[i]] * scale;
@@ -83,6 +91,53 @@ LEANDDP_ISA_ATTR int64_t quant8_gathered(const float* __restrict x, float scale,
   }
   return i;
 }
+#elif LEANDDP_ISA_F16C == 256  // AVX2
+// The same, 8 at a time (masks as all-ones lanes).
+template <bool kBounded>
+LEANDDP_ISA_ATTR int64_t quant8_gathered(const float* __restrict x, float scale,
+                                         const QuantTable& table, uint8_t* __restrict codes,
+                                         int64_t n) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i low_mask = _mm256_set1_epi32(static_cast<int32_t>(QuantTable::kLowMask));
+  const __m256i key_low = _mm256_set1_epi32(QuantTable::kKeyLow);
+  const __m256i key_high = _mm256_set1_epi32(QuantTable::kKeyHigh);
+  const __m256i keys = _mm256_set1_epi32(QuantTable::kKeys);
+  const __m256i one = _mm256_set1_epi32(1);
+  // each 128-bit half's four low bytes of its dwords into its first four bytes
+  const __m256i narrow =
+      _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1,
+                       -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 xn = _mm256_div_ps(_mm256_loadu_ps(x + i), vscale);
+    const __m256i u = _mm256_castps_si256(xn);
+    const __m256i abs = _mm256_and_si256(u, abs_mask);
+    const __m256i negative = _mm256_srai_epi32(u, 31);  // all ones where the sign bit is set
+    __m256i key = _mm256_srli_epi32(abs, QuantTable::kShift);
+    if constexpr (kBounded) {
+      key = _mm256_subs_epu16(key, key_low);
+    } else {
+      key = _mm256_sub_epi32(_mm256_min_epi32(_mm256_max_epi32(key, key_low), key_high), key_low);
+    }
+    key = _mm256_add_epi32(key, _mm256_and_si256(negative, keys));
+    const __m256i low = _mm256_and_si256(abs, low_mask);
+    const __m256i within = _mm256_sub_epi32(_mm256_xor_si256(low, negative), negative);
+    // the entry, plus one unless its threshold exceeds within (cmpgt: -1)
+    const __m256i entry = _mm256_i32gather_epi32(table.entry, key, 4);
+    const __m256i below = _mm256_cmpgt_epi32(_mm256_srai_epi32(entry, 8), within);
+    __m256i code = _mm256_add_epi32(entry, _mm256_add_epi32(one, below));
+    if constexpr (!kBounded) {
+      code = _mm256_and_si256(code, _mm256_castps_si256(_mm256_cmp_ps(xn, xn, _CMP_ORD_Q)));
+    }
+    const __m256i bytes = _mm256_shuffle_epi8(code, narrow);
+    const auto first = static_cast<uint32_t>(_mm256_cvtsi256_si32(bytes));
+    const auto second = static_cast<uint32_t>(_mm256_extract_epi32(bytes, 4));
+    std::memcpy(codes + i, &first, sizeof(first));
+    std::memcpy(codes + i + 4, &second, sizeof(second));
+  }
+  return i;
+}
 #endif
 
 // codes[i] = the code of x[i] / scale (quantize_code's); x is scratch, which it may overwrite.
@@ -96,7 +151,7 @@ LEANDDP_ISA_ATTR void quant8_block(float* __restrict x, float scale, const float
     return;
   }
   int64_t done = 0;
-#if LEANDDP_ISA_F16C == 512
+#if LEANDDP_ISA_F16C  // AVX2 and AVX-512
   done = quant8_gathered<kBounded>(x, scale, *table, codes, n);
 #endif
   const int32_t* entries = table->entry;
