@@ -60,6 +60,9 @@ struct CpuLoops {
   // ... or n elements of a parameter with plain float moments.
   void (*adam8_plain)(float* p, const float* g, float* m, float* v, int64_t n,
                       const Adam8Consts& c);
+  // Whether adam8_quant asks for the memory of the parameters and gradients ahead itself
+  // (cpu_loops_8bit.h's prefetch_line; AVX-512): elsewhere its caller asks for each block's.
+  bool adam8_prefetches = false;
 };
 
 // The loops for this CPU.

@@ -96,6 +96,7 @@ inline CpuLoops make_loops(const char* name) {
   l.scale_half = &scale_block<c10::Half>;
   l.adam8_quant = &adam8_quant_block;
   l.adam8_plain = &adam8_plain_block;
+  l.adam8_prefetches = LEANDDP_ISA_F16C == 512;
   l.quant8 = &quant8;
 #if LEANDDP_ISA_F16C
   l.scale_half = &scale_half_block;

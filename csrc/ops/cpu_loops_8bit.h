@@ -131,7 +131,7 @@ LEANDDP_ISA_ATTR int64_t quant8_gathered(const float* __restrict x, float scale,
       code = _mm256_and_si256(code, _mm256_castps_si256(_mm256_cmp_ps(xn, xn, _CMP_ORD_Q)));
     }
     const __m256i bytes = _mm256_shuffle_epi8(code, narrow);
-    const auto first = static_cast<uint32_t>(_mm256_cvtsi256_si32(bytes));
+    const auto first = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_castsi256_si128(bytes)));
     const auto second = static_cast<uint32_t>(_mm256_extract_epi32(bytes, 4));
     std::memcpy(codes + i, &first, sizeof(first));
     std::memcpy(codes + i + 4, &second, sizeof(second));

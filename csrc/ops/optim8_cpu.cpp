@@ -61,7 +61,7 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
   const auto grad_dtype = grads[0].scalar_type();
   const bool low = param_dtype != at::kFloat;
   const bool has_copy = !param_copy.empty();
-  const bool upcast = low || grad_dtype != at::kFloat;
+  const bool prefetch_blocks = !loops.adam8_prefetches || low || grad_dtype != at::kFloat;
   const auto copy_dtype = has_copy ? param_copy[0].scalar_type() : at::kBFloat16;
   QuantMaps maps{qmap_signed.const_data_ptr<float>(), qmap_unsigned.const_data_ptr<float>()};
   maps.ts = &quant_table(maps.qs);
@@ -122,9 +122,10 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
     if (low) store_low(param_dtype, p, p_at[t], first, len);
     if (has_copy) store_low(copy_dtype, p, copy_at[t], first, len);
   };
-  // A quantized block's memory, requested while the block before it is stepped, where its
-  // parameters or gradients are upcast into scratch: the kernel's loops ask for the memory ahead
-  // of the pointers they are given (cpu_loops_8bit.h's prefetch_line), here the scratch.
+  // A quantized block's memory, requested while the block before it is stepped, unless the
+  // kernel's loops ask for it themselves (AVX-512: two blocks ahead of the pointers they are
+  // given, cpu_loops_8bit.h's prefetch_line), that is unless parameters or gradients are upcast
+  // into scratch.
   const auto prefetch_block = [&](size_t t, int64_t u) {
     const auto [first, len] = span_of(t, u);
     prefetch(p_at[t] + first * params[t].element_size(), len * params[t].element_size());
@@ -137,7 +138,7 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
     range.for_each_piece(first, last, [&](int32_t t, int64_t begin, int64_t len) {
       const auto i = static_cast<size_t>(t);
       for (int64_t u = begin; u < begin + len; ++u) {
-        if (upcast && quantized[i] && u + 1 < begin + len) prefetch_block(i, u + 1);
+        if (prefetch_blocks && quantized[i] && u + 1 < begin + len) prefetch_block(i, u + 1);
         step_unit(i, u, *scratch);
       }
     });

@@ -140,7 +140,10 @@ for decoupled, beta1 in itertools.product((True, False), (0.9, 0.3)):  # both le
                            step=step, decoupled_weight_decay=decoupled)
     # bits: NaNs and the signs of zeros compare too
     out[f"adam8 edges {decoupled} {beta1}"] = [t.view(torch.int32) for t in p + m + v]
-x = randn(100_000).clamp(-1, 1)
+# and, in whole vectors and the remainder, what only the unbounded path sees
+specials = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 3e38, -3e38,
+                         2.0, -2.0, -0.0, 0.0, 1e-40, -1e-40] * 3)
+x = torch.cat([specials, randn(100_000).clamp(-1, 1), specials[:7]])
 quantize8 = leanddp._C._testing.quantize8
 out["adam8 quantize"] = [quantize8(x, qs, True), quantize8(x, qs, False),
                         quantize8(x.abs(), qu, True)]

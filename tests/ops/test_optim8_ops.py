@@ -198,7 +198,8 @@ def test_bad_input_is_refused_before_any_write(change, message):
 def _sweep(qmap: torch.Tensor) -> torch.Tensor:
     """Floats where codes change or could go wrong: every map entry, the midpoints between
     neighbours (where rounding turns) and a few ulps around each, a stride over every float
-    pattern in [-1, 1], signed zeros, the limits, a NaN, magnitudes too small for any code."""
+    pattern in [-1, 1], signed zeros, the limits, NaNs of both signs, infinities, magnitudes past
+    1 and too small for any code."""
     mids = (qmap[:-1] + qmap[1:]) / 2
     points = torch.cat([qmap, mids])
     near = [points]
@@ -208,7 +209,9 @@ def _sweep(qmap: torch.Tensor) -> torch.Tensor:
     for _ in range(3):
         down.append(torch.nextafter(down[-1], torch.tensor(-2.0)))
     stride = torch.arange(0, 0x3F800001, 997, dtype=torch.int64).to(torch.int32).view(torch.float32)
-    special = torch.tensor([0.0, -0.0, 1.0, -1.0, float("nan"), 1e-30, -1e-30, 1e-40, -1e-40])
+    inf, nan = float("inf"), float("nan")
+    extremes = [nan, -nan, inf, -inf, 3e38, -3e38, 2.0]
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, 1e-40, -1e-40, *extremes])
     # first (in whole vectors of 16) and last (in the kernels' scalar remainder)
     return torch.cat([special, *near, *down, stride, -stride, special]).contiguous()
 
