@@ -122,10 +122,10 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
     if (low) store_low(param_dtype, p, p_at[t], first, len);
     if (has_copy) store_low(copy_dtype, p, copy_at[t], first, len);
   };
-  // A quantized block's memory, requested while the block before it is stepped, unless the
-  // kernel's loops ask for it themselves (AVX-512: two blocks ahead of the pointers they are
-  // given, cpu_loops_8bit.h's prefetch_line), that is unless parameters or gradients are upcast
-  // into scratch.
+  // A quantized block's memory, requested while the block before it is stepped, where the
+  // kernel's loops do not ask for it themselves. With AVX-512 they do, two blocks ahead of the
+  // pointers they are given (cpu_loops_8bit.h's prefetch_line), which are the tensors' own unless
+  // parameters or gradients are upcast into scratch.
   const auto prefetch_block = [&](size_t t, int64_t u) {
     const auto [first, len] = span_of(t, u);
     prefetch(p_at[t] + first * params[t].element_size(), len * params[t].element_size());
