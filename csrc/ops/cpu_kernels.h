@@ -13,6 +13,14 @@
 
 namespace leanddp::ops {
 
+// Asks for the cache line `bytes` past `base` (a hint: any address, computed as an integer; no
+// effect where the compiler has none).
+inline void prefetch_line(const void* base, int64_t bytes) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(base) + bytes));
+#endif
+}
+
 // The maps of 8-bit Adam's moments (host memory) and, where built, their quant_table()s.
 struct QuantMaps {
   const float* qs;  // exp_avg's (signed)

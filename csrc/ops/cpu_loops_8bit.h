@@ -11,17 +11,10 @@
 // an Intel Xeon (benchmarks/results/host_step.md Runs 7 and 8), and about as long as with
 // gathers on an AMD Zen 4 (Run 6, at an earlier stage of the kernel).
 
-// Asks for the cache line `bytes` past `base` (a hint: any address, computed as an integer; no
-// effect where the compiler has none).
-// The kernel's loops ask for the memory two blocks ahead of the one they step, a cache line each
-// pass, where a parameter's next blocks lie (the hardware prefetchers stop at each 4 KiB page,
-// four blocks of 256 floats, and the step waited on memory there: benchmarks/results/
-// host_step.md Runs 7 and 8); past a tensor's end the hint is merely wasted.
-inline void prefetch_line(const void* base, int64_t bytes) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(base) + bytes));
-#endif
-}
+// The loops ask for the memory two blocks ahead of the one they step, a cache line each pass
+// (prefetch_line, cpu_kernels.h), where a parameter's next blocks lie (the hardware prefetchers
+// stop at each 4 KiB page, four blocks of 256 floats, and the step waited on memory there:
+// benchmarks/results/host_step.md Runs 7 and 8); past a tensor's end the hint is merely wasted.
 
 // dst[i] = qmap[codes[i]] * scale.
 LEANDDP_ISA_ATTR void dequant8(const uint8_t* __restrict codes, const float* __restrict qmap,

@@ -26,11 +26,9 @@ constexpr int64_t kPlainElems = 1024;  // elements per unit of a parameter with 
 // Fewer elements than this per thread cost more in threading than they save.
 constexpr int64_t kGrainElems = 32 << 10;
 
-// Asks for the cache lines of [at, at + bytes) (a hint; no effect where the compiler has none).
+// Asks for the cache lines of [at, at + bytes) (a hint).
 inline void prefetch(const char* at, int64_t bytes) {
-#if defined(__GNUC__) || defined(__clang__)
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(at + offset);
-#endif
+  for (int64_t offset = 0; offset < bytes; offset += 64) prefetch_line(at, offset);
 }
 
 // Per-thread scratch: a unit's parameters, gradients and moments as floats.
