@@ -27,6 +27,13 @@ namespace py = pybind11;
 namespace leanddp {
 namespace {
 
+// An 8-bit Adam map for the CPU kernels' testing entries.
+void check_qmap(const at::Tensor& qmap, const char* entry) {
+  TORCH_CHECK(qmap.scalar_type() == at::kFloat && qmap.numel() == ops::kQmapSize &&
+                  qmap.is_contiguous() && qmap.is_cpu(),
+              entry, ": qmap must be 256 contiguous float32 entries on the CPU");
+}
+
 // The step window's decision unit (step_window.h), for the tests that drive it directly.
 void bind_step_window(py::module_& m) {
   using leanddp::StepWindow;
@@ -182,9 +189,7 @@ void bind_testing(py::module_& m) {
       [](const at::Tensor& x, const at::Tensor& qmap, bool table, bool bounded) {
         TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.is_cpu(),
                     "quantize8: x must be a contiguous float32 CPU tensor");
-        TORCH_CHECK(qmap.scalar_type() == at::kFloat && qmap.numel() == leanddp::ops::kQmapSize &&
-                        qmap.is_contiguous() && qmap.is_cpu(),
-                    "quantize8: qmap must be 256 contiguous float32 entries on the CPU");
+        check_qmap(qmap, "quantize8");
         TORCH_CHECK(!bounded || x.abs().le(1).all().item<bool>(),
                     "quantize8: bounded needs every x in [-1, 1] (no NaN)");
         at::Tensor scratch = x.clone();
@@ -200,6 +205,23 @@ void bind_testing(py::module_& m) {
       "8-bit Adam's codes of x against qmap (csrc/ops/cpu_loops_8bit.h, this CPU's "
       "instruction set), through quant_table's look-ups (`table`) or torchao's binary search; "
       "`bounded`: the path for x known to lie in [-1, 1].");
+  t.def(
+      "dequantize8",
+      [](const at::Tensor& codes, const at::Tensor& qmap, double scale, bool table) {
+        TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.is_cpu(),
+                    "dequantize8: codes must be a contiguous uint8 CPU tensor");
+        check_qmap(qmap, "dequantize8");
+        at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
+        const float* q = qmap.const_data_ptr<float>();
+        leanddp::ops::cpu_loops().dequant8(
+            codes.const_data_ptr<uint8_t>(), q, table ? &leanddp::ops::quant_table(q) : nullptr,
+            static_cast<float>(scale), out.data_ptr<float>(), codes.numel());
+        return out;
+      },
+      py::arg("codes"), py::arg("qmap"), py::arg("scale"), py::arg("table") = true,
+      "qmap[codes] * scale as 8-bit Adam dequantizes (csrc/ops/cpu_loops_8bit.h, this CPU's "
+      "instruction set); `table`: with qmap's quant_table (byte shuffles where the CPU has "
+      "AVX-512 VBMI), else gathers.");
   t.def(
       "parallel_threads",
       [] {

@@ -62,13 +62,42 @@ namespace isa_avx512 {
 #undef LEANDDP_ISA_FMA
 #undef LEANDDP_ISA_ATTR
 }  // namespace isa_avx512
+
+// AVX-512 with VBMI's byte permutes (Ice Lake and later, AMD Zen 4 and later): AVX-512's loops,
+// but for 8-bit Adam's, which dequantize by byte shuffles instead of gathers.
+namespace isa_avx512vbmi {
+#if defined(__clang__)
+#define LEANDDP_ISA_ATTR \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")))
+#else
+#define LEANDDP_ISA_ATTR                                           \
+  __attribute__((                                                  \
+      target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c," \
+             "prefer-vector-width=512")))
+#endif
+#define LEANDDP_ISA_FMA true
+#define LEANDDP_ISA_F16C 512
+#define LEANDDP_ISA_VBMI
+#include "cpu_loops_8bit.h"
+#undef LEANDDP_ISA_VBMI
+#undef LEANDDP_ISA_F16C
+#undef LEANDDP_ISA_FMA
+#undef LEANDDP_ISA_ATTR
+
+CpuLoops make_loops(const char* name) {
+  CpuLoops l = isa_avx512::make_loops(name);
+  l.adam8_quant = &adam8_quant_block;
+  l.dequant8 = &dequant8;
+  return l;
+}
+}  // namespace isa_avx512vbmi
 #pragma GCC diagnostic pop
 #endif
 
 namespace {
 
 // The widest instruction set the CPU supports; or the one LEANDDP_CPU_ISA names (baseline, avx2,
-// avx512), if the CPU supports it: for tests, and for ruling out a vectorization issue.
+// avx512, avx512vbmi), if the CPU supports it: for tests, and for ruling out a vectorization issue.
 CpuLoops select_loops() {
   std::vector<CpuLoops> supported{isa_baseline::make_loops("baseline")};  // narrowest first
 #if defined(LEANDDP_X86_DISPATCH) && (defined(__GNUC__) || defined(__clang__))
@@ -79,6 +108,9 @@ CpuLoops select_loops() {
   if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl")) {
     supported.push_back(isa_avx512::make_loops("avx512"));
+    if (__builtin_cpu_supports("avx512vbmi")) {
+      supported.push_back(isa_avx512vbmi::make_loops("avx512vbmi"));
+    }
   }
 #endif
   const char* want = std::getenv("LEANDDP_CPU_ISA");

@@ -30,7 +30,7 @@ struct QuantMaps {
 };
 
 struct CpuLoops {
-  const char* name;  // "avx512", "avx2" or "baseline"
+  const char* name;  // "avx512vbmi", "avx512", "avx2" or "baseline"
   // Elements [tail, n) of the n take torch's tail arithmetic (optim_math.h's kTail).
   void (*adam)(float* p, const float* g, float* m, float* v, int64_t n, int64_t tail,
                const AdamConsts& c);
@@ -65,6 +65,10 @@ struct CpuLoops {
   // x[i] / scale to be a number in [-1, 1] (a finite scale at least every |x[i]|).
   void (*quant8)(float* x, float scale, bool bounded, const float* qmap, const QuantTable* table,
                  uint8_t* codes, int64_t n);
+  // dst[i] = qmap[codes[i]] * scale (table: qmap's quant_table(), or null), as adam8_quant
+  // dequantizes.
+  void (*dequant8)(const uint8_t* codes, const float* qmap, const QuantTable* table, float scale,
+                   float* dst, int64_t n);
   // ... or n elements of a parameter with plain float moments.
   void (*adam8_plain)(float* p, const float* g, float* m, float* v, int64_t n,
                       const Adam8Consts& c);

@@ -98,6 +98,7 @@ inline CpuLoops make_loops(const char* name) {
   l.adam8_plain = &adam8_plain_block;
   l.adam8_prefetches = LEANDDP_ISA_F16C == 512;
   l.quant8 = &quant8;
+  l.dequant8 = &dequant8;
 #if LEANDDP_ISA_F16C
   l.scale_half = &scale_half_block;
   l.adam_half = &adam_half_block;

@@ -1,11 +1,13 @@
 // Inner loops of the block-wise 8-bit Adam(W) CPU kernel (optim8_cpu.cpp), included by
-// cpu_loops.h inside each instruction set's namespace (no include guard, on purpose). The
-// arithmetic is optim8_math.h's. A block is stepped in passes over its moments held as floats
-// in scratch buffers (in L1): dequantize; update, taking the new moments' largest magnitudes
-// (an integer maximum, abs_bits) as it goes; requantize. The update, the maxima and the
+// cpu_loops.h inside each instruction set's namespace, and by cpu_kernels.cpp alone for the
+// avx512vbmi variant (no include guard, on purpose). The arithmetic is optim8_math.h's. A block
+// is stepped in passes over its moments held as floats in scratch buffers (in L1): dequantize;
+// update, taking the new moments' largest magnitudes (an integer maximum, abs_bits) as it goes;
+// requantize. The update, the maxima and the
 // quantization's divisions and bucket keys are vectorized. The table look-ups (one per element to
 // dequantize, and one to quantize, quant_table.h, where its table is exact, else torchao's binary
-// search) are gathers with AVX-512 (16 lanes) and AVX2 (8), scalar loads in the baseline. The
+// search) are gathers with AVX-512 (16 lanes) and AVX2 (8), scalar loads in the baseline; where
+// LEANDDP_ISA_VBMI is defined (AVX-512 with VBMI) dequantizing is byte permutes instead. The
 // compiler turns the scalar loops into emulated gathers (element by element through general
 // registers): the step took 1.65 times as long that way with AVX-512 and 1.5 times with AVX2 on
 // an Intel Xeon (benchmarks/results/host_step.md Runs 7 and 8), and about as long as with
@@ -16,10 +18,61 @@
 // stop at each 4 KiB page, four blocks of 256 floats, and the step waited on memory there:
 // benchmarks/results/host_step.md Runs 7 and 8); past a tensor's end the hint is merely wasted.
 
-// dst[i] = qmap[codes[i]] * scale.
-LEANDDP_ISA_ATTR void dequant8(const uint8_t* __restrict codes, const float* __restrict qmap,
-                               float scale, float* __restrict dst, int64_t n) {
+#if defined(LEANDDP_ISA_VBMI)
+// dequant8 for the first n - n % 64 elements (returned), without gathers: each of the four bytes
+// of qmap[code] is looked up in its byte plane (QuantTable::planes) for 64 codes at once, by two
+// 128-entry byte permutes (a code's low 7 bits) and a blend (its top bit), and the four planes'
+// bytes are interleaved into floats. The interleaving works within 128-bit lanes, so the codes
+// are first permuted (kOrder) such that each float lands in its element's place. The bits equal
+// the gathered entry's, so the products do too.
+LEANDDP_ISA_ATTR int64_t dequant8_shuffled(const uint8_t* __restrict codes, const QuantTable& table,
+                                           float scale, float* __restrict dst, int64_t n) {
+  // byte j of the permuted codes: in 128-bit lane l = j / 16, at j % 16 = 4 w + t, the code of
+  // element 16 w + 4 l + t (the interleaving below puts it at float 4 l + t of output w)
+  alignas(64) static constexpr uint8_t kOrder[64] = {
+      0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4,  5,  6,  7,  20, 21,
+      22, 23, 36, 37, 38, 39, 52, 53, 54, 55, 8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43,
+      56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+  const __m512i order = _mm512_load_si512(kOrder);
+  const __m512 vscale = _mm512_set1_ps(scale);
   int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    prefetch_line(codes, 2 * n + i);
+    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + i));
+    const __mmask64 high = _mm512_movepi8_mask(c);  // codes from 128
+    __m512i bytes[4];
+    for (int k = 0; k < 4; ++k) {
+      const auto* plane = reinterpret_cast<const __m512i*>(table.planes[k]);
+      const __m512i low_half =
+          _mm512_permutex2var_epi8(_mm512_load_si512(plane), c, _mm512_load_si512(plane + 1));
+      const __m512i high_half =
+          _mm512_permutex2var_epi8(_mm512_load_si512(plane + 2), c, _mm512_load_si512(plane + 3));
+      bytes[k] = _mm512_mask_blend_epi8(high, low_half, high_half);
+    }
+    // bytes 0 and 1, and 2 and 3, into 16-bit halves; then the halves into floats
+    const __m512i low01 = _mm512_unpacklo_epi8(bytes[0], bytes[1]);
+    const __m512i high01 = _mm512_unpackhi_epi8(bytes[0], bytes[1]);
+    const __m512i low23 = _mm512_unpacklo_epi8(bytes[2], bytes[3]);
+    const __m512i high23 = _mm512_unpackhi_epi8(bytes[2], bytes[3]);
+    const __m512i words[4] = {
+        _mm512_unpacklo_epi16(low01, low23), _mm512_unpackhi_epi16(low01, low23),
+        _mm512_unpacklo_epi16(high01, high23), _mm512_unpackhi_epi16(high01, high23)};
+    for (int w = 0; w < 4; ++w) {
+      _mm512_storeu_ps(dst + i + 16 * w, _mm512_mul_ps(_mm512_castsi512_ps(words[w]), vscale));
+    }
+  }
+  return i;
+}
+#endif
+
+// dst[i] = qmap[codes[i]] * scale; `table`, if not null, is qmap's quant_table().
+LEANDDP_ISA_ATTR void dequant8(const uint8_t* __restrict codes, const float* __restrict qmap,
+                               const QuantTable* table, float scale, float* __restrict dst,
+                               int64_t n) {
+  int64_t i = 0;
+#if defined(LEANDDP_ISA_VBMI)
+  if (table != nullptr) i = dequant8_shuffled(codes, *table, scale, dst, n);
+#endif
 #if LEANDDP_ISA_F16C == 512  // AVX-512
   const __m512 vscale = _mm512_set1_ps(scale);
   for (; i + 16 <= n; i += 16) {
@@ -309,8 +362,8 @@ LEANDDP_ISA_ATTR void adam8_quant_loop(float* __restrict p, const float* __restr
                                        const QuantMaps& maps, int64_t n, const Adam8Consts& consts,
                                        float* __restrict mbuf, float* __restrict vbuf) {
   const Adam8Consts c = consts;  // (as in adam_loop)
-  dequant8(cm, maps.qs, *sm, mbuf, n);
-  dequant8(cv, maps.qu, *sv, vbuf, n);
+  dequant8(cm, maps.qs, maps.ts, *sm, mbuf, n);
+  dequant8(cv, maps.qu, maps.tu, *sv, vbuf, n);
   uint32_t maxima[2];
   adam8_update_loop<kDecoupled, true>(p, g, mbuf, vbuf, n, c, maxima);
   *sm = quant_scale(from_bits(maxima[0]));

@@ -29,6 +29,11 @@ float from_ordered(int64_t o) {
 
 std::unique_ptr<QuantTable> build(const float* q) {
   auto t = std::make_unique<QuantTable>();
+  for (int c = 0; c < kQmapSize; ++c) {
+    uint32_t u;
+    std::memcpy(&u, &q[c], sizeof(u));
+    for (int k = 0; k < 4; ++k) t->planes[k][c] = static_cast<uint8_t>(u >> (8 * k));
+  }
   const auto code = [q](float x) { return quantize_code(x, q); };
   // first[k]: the least float in (-2, 2] with code >= k (code(-2) is 0 and code(2) is 255 for
   // any map within [-1, 1]; the search assumes the codes never decrease, checked below).

@@ -1,5 +1,6 @@
 // Look-up tables that let the vectorized CPU kernels quantize against a 256-entry map in two
-// table reads instead of torchao's eight-step binary search, with the same codes.
+// table reads instead of torchao's eight-step binary search, with the same codes; and the map
+// itself cut into byte planes, for dequantizing by byte shuffles.
 //
 // quantize_code (optim8_math.h) is a non-decreasing step function of its float argument, so it
 // is described by its breakpoints: `first[k]`, the least float whose code is at least k. The
@@ -31,6 +32,9 @@ struct QuantTable {
   static constexpr int32_t kKeys = kKeyHigh - kKeyLow + 1;                   // per sign
 
   bool exact = false;
+  // The map's entries cut into bytes: planes[k][c] is byte k (from the least significant) of
+  // qmap[c]'s bits. Set for every map, exact or not.
+  alignas(64) uint8_t planes[4][kQmapSize];
   // per bucket ([0, kKeys) for x >= +0, [kKeys, 2 * kKeys) for x <= -0): the base code in bits
   // 0-7, and above them (entry >> 8, signed) the threshold t of within(x) that moves x up one code
   int32_t entry[2 * kKeys];

@@ -1,4 +1,5 @@
-"""The CPU kernels' instruction-set variants (baseline, AVX2, AVX-512) against torch, bit for bit.
+"""The CPU kernels' instruction-set variants (baseline, AVX2, AVX-512, AVX-512 with VBMI) against
+torch, bit for bit.
 
 Each variant runs in its own process, pinned with LEANDDP_CPU_ISA, beside torch's fused AdamW
 and for-loop SGD pinned to the matching capability with ATEN_CPU_CAPABILITY (baseline: torch's
@@ -147,11 +148,20 @@ x = torch.cat([specials, randn(100_000).clamp(-1, 1), specials[:7]])
 quantize8 = leanddp._C._testing.quantize8
 out["adam8 quantize"] = [quantize8(x, qs, True), quantize8(x, qs, False),
                         quantize8(x.abs(), qu, True)]
+codes = (randn(64 * 40 + 21).abs() * 1e4).long().remainder(256).to(torch.uint8)
+dequantize8 = leanddp._C._testing.dequantize8
+out["adam8 dequantize"] = [dequantize8(codes, q, 0.37, table=t) for q in (qs, qu)
+                           for t in (True, False)]
 torch.save(out, sys.argv[1])
 """
 
 #: torch's capability matching each of our variants.
-TORCH_CAPABILITY = {"baseline": "default", "avx2": "avx2", "avx512": "avx512"}
+TORCH_CAPABILITY = {
+    "baseline": "default",
+    "avx2": "avx2",
+    "avx512": "avx512",
+    "avx512vbmi": "avx512",
+}
 
 
 def _leaves(tree: object) -> list[torch.Tensor]:

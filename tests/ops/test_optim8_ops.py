@@ -217,6 +217,26 @@ def _sweep(qmap: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("signed", [True, False])
+def test_dequantizer_equals_the_map_times_the_scale(signed):
+    """Both dequantizer paths (byte shuffles where the CPU has AVX-512 VBMI, else gathers) give
+    qmap[code] * scale bit for bit: every code in every position of a 64-code vector, in whole
+    vectors and the remainder, at scales that keep, round and flush the products."""
+    from leanddp._C import _testing
+
+    qmap = OptimState8bit.zeros((256,), signed, 256, "cpu").qmap
+    every = torch.arange(256, dtype=torch.uint8)
+    # each code at each position mod 64: rotations of 0..255, then a remainder of 37
+    codes = torch.cat([every.roll(k) for k in range(64)] + [every[:37]]).contiguous()
+    for scale in (1.0, 0.0123, 3e-39, 1e-12, 2.5e30):
+        expected = qmap[codes.long()] * torch.tensor(scale, dtype=torch.float32)
+        for table in (True, False):
+            out = _testing.dequantize8(codes, qmap, scale, table=table)
+            assert torch.equal(out.view(torch.int32), expected.view(torch.int32)), (
+                f"scale {scale}, table {table}: {(out != expected).sum()} differ"
+            )
+
+
+@pytest.mark.parametrize("signed", [True, False])
 def test_quantizer_tables_equal_the_binary_search(signed):
     """quant_table's two look-ups give the binary search's codes, and both torchao's; so does
     the path for blocks known to lie in [-1, 1] (no NaN, no clamp above 1.0)."""

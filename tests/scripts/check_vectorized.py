@@ -1,6 +1,6 @@
 """Checks, in the built extension's machine code, that every instruction-set variant of the CPU
 kernels' inner loops is vectorized: each loop must use the packed instructions of its variant's
-vector registers (baseline: SSE on xmm; AVX2: ymm; AVX-512: zmm).
+vector registers (baseline: SSE on xmm; AVX2: ymm; AVX-512, with or without VBMI: zmm).
 
     python tests/scripts/check_vectorized.py [path/to/_C.so]
 
@@ -22,8 +22,11 @@ from pathlib import Path
 #: loops as well); the bf16 conversions
 #: are packed integer shifts and the fp16 ones (F16C, AVX2 and AVX-512 only) packed converts;
 #: 8-bit Adam's quantization divides by the block's scale in packed form. Its update loop serves
-#: both kinds of state, and the compiler may inline it into their blocks' functions.
-LOOPS = [
+#: both kinds of state, and the compiler may inline it into their blocks' functions. Its
+#: dequantization gathers (AVX2, AVX-512) or permutes bytes (AVX-512 VBMI); the baseline's is
+#: scalar loads, and not checked. A dict maps variants to their instruction; variants it leaves
+#: out are not checked for that loop.
+LOOPS: list[tuple[str, str, str | dict[str, str]]] = [
     ("adam", r"::adam_(block|amp|loop)\b", r"sqrtps"),
     ("sgd", r"::sgd_(block|loop)\b", r"mulps"),
     ("scale float", r"scale_block<float>", r"mulps"),
@@ -38,9 +41,15 @@ LOOPS = [
     ("adam8 update", r"::adam8_(quant_loop\b|update_loop<(true|false), true>)", r"sqrtps"),
     ("adam8 plain", r"::adam8_(plain_block\b|update_loop<(true|false), false>)", r"sqrtps"),
     ("adam8 quantize", r"::quant8(_block)?\b", r"divps"),
+    (
+        "adam8 dequantize",
+        r"::dequant8(_shuffled)?\b",
+        {"avx2": r"gatherdps", "avx512": r"gatherdps", "avx512vbmi": r"permi2b|permt2b"},
+    ),
 ]
-REGISTER = {"baseline": "%xmm", "avx2": "%ymm", "avx512": "%zmm"}
+REGISTER = {"baseline": "%xmm", "avx2": "%ymm", "avx512": "%zmm", "avx512vbmi": "%zmm"}
 NO_F16C = {"baseline"}  # x86-64's baseline has no fp16 conversion instructions
+ONLY_8BIT = {"avx512vbmi"}  # AVX-512's loops but 8-bit Adam's (cpu_kernels.cpp)
 
 
 def functions(so: Path) -> dict[str, list[str]]:
@@ -68,16 +77,19 @@ def check(so: Path) -> list[tuple[str, str, bool]]:
     code = functions(so)
     rows = []
     for isa, register in REGISTER.items():
-        for loop, symbol, instruction in LOOPS:
-            if isa in NO_F16C and "fp16" in loop:
+        for loop, symbol, instructions in LOOPS:
+            if isa in NO_F16C and "fp16" in loop or isa in ONLY_8BIT and "adam8" not in loop:
                 continue
+            if isinstance(instructions, dict) and isa not in instructions:
+                continue
+            instruction = instructions[isa] if isinstance(instructions, dict) else instructions
             lines = [
                 line
                 for name, body in code.items()
                 if f"isa_{isa}::" in name and re.search(symbol, name)
                 for line in body
             ]
-            packed = re.compile(rf"\s(v?{instruction})\s.*{re.escape(register)}")
+            packed = re.compile(rf"\s(v?({instruction}))\s.*{re.escape(register)}")
             rows.append((isa, loop, bool(lines) and any(packed.search(x) for x in lines)))
     return rows
 
@@ -94,7 +106,7 @@ def main(argv: list[str]) -> int:
         return 2
     rows = check(so)
     for isa, loop, ok in rows:
-        print(f"{isa:9} {loop:14} {'vectorized' if ok else 'NOT VECTORIZED'}")
+        print(f"{isa:10} {loop:16} {'vectorized' if ok else 'NOT VECTORIZED'}")
     return 0 if all(ok for _, _, ok in rows) else 1
 
 
