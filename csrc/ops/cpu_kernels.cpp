@@ -63,8 +63,9 @@ namespace isa_avx512 {
 #undef LEANDDP_ISA_ATTR
 }  // namespace isa_avx512
 
-// AVX-512 with VBMI's byte permutes (Ice Lake and later, AMD Zen 4 and later): AVX-512's loops,
-// but for 8-bit Adam's, which dequantize by byte shuffles instead of gathers.
+// AVX-512 with VBMI's byte permutes (Intel's AVX-512 CPUs from Ice Lake on, AMD Zen 4 and later):
+// AVX-512's loops, but for 8-bit Adam's, compiled once more: they dequantize by byte shuffles
+// instead of gathers (and the compiler may use VBMI elsewhere in them).
 namespace isa_avx512vbmi {
 #if defined(__clang__)
 #define LEANDDP_ISA_ATTR \
@@ -87,6 +88,8 @@ namespace isa_avx512vbmi {
 CpuLoops make_loops(const char* name) {
   CpuLoops l = isa_avx512::make_loops(name);
   l.adam8_quant = &adam8_quant_block;
+  l.adam8_plain = &adam8_plain_block;
+  l.quant8 = &quant8;
   l.dequant8 = &dequant8;
   return l;
 }

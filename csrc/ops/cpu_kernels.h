@@ -55,11 +55,12 @@ struct CpuLoops {
                     int64_t tail, const AdamConsts& c) = nullptr;
   void (*sgd_half)(c10::Half* p, const c10::Half* g, c10::Half* buf, int64_t n,
                    const SgdConsts& c) = nullptr;
-  // Block-wise 8-bit Adam(W) (optim8_math.h): one quantization block of n float parameters and
-  // gradients, its codes and scales updated in place (mbuf, vbuf: n floats of scratch) ...
+  // Block-wise 8-bit Adam(W) (optim8_math.h): `blocks` consecutive quantization blocks of n
+  // float parameters and gradients each, their codes and scales updated in place (mbuf, vbuf:
+  // 2 n floats of scratch each where blocks > 1, else n) ...
   void (*adam8_quant)(float* p, const float* g, uint8_t* cm, uint8_t* cv, float* sm, float* sv,
-                      const QuantMaps& maps, int64_t n, const Adam8Consts& c, float* mbuf,
-                      float* vbuf);
+                      const QuantMaps& maps, int64_t n, int64_t blocks, const Adam8Consts& c,
+                      float* mbuf, float* vbuf);
   // The codes of x[i] / scale (x: scratch, which it may overwrite) through `table` if exact, else
   // the binary search (optim8_math.h's quantize_code either way). bounded: the caller knows every
   // x[i] / scale to be a number in [-1, 1] (a finite scale at least every |x[i]|).

@@ -94,47 +94,60 @@ LEANDDP_ISA_ATTR void dequant8(const uint8_t* __restrict codes, const float* __r
 }
 
 #if LEANDDP_ISA_F16C == 512  // AVX-512
-// quant8's table path for the first n - n % 16 elements (returned): QuantTable's bucket, one
-// gathered entry and its code per element, 16 at a time, as the scalar path computes them.
-// kBounded: every x / scale is a number in [-1, 1] (scale finite, at least every |x|), so no
-// key passes 1.0's and no NaN needs its code 0.
+// quant8's table path, 16 elements at a time: QuantTable's bucket, one gathered entry and its
+// code per element, as the scalar path computes them. kBounded: every x / scale is a number in
+// [-1, 1] (scale finite, at least every |x|), so no key passes 1.0's and no NaN needs its code 0.
+template <bool kBounded>
+class Quantizer16 {
+ public:
+  LEANDDP_ISA_ATTR Quantizer16(float scale, const QuantTable& table)
+      : vscale_(_mm512_set1_ps(scale)), entries_(table.entry) {}
+
+  // codes[0, 16) from x[0, 16)
+  LEANDDP_ISA_ATTR C10_ALWAYS_INLINE void operator()(const float* __restrict x,
+                                                     uint8_t* __restrict codes) const {
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512 xn = _mm512_div_ps(_mm512_loadu_ps(x), vscale_);
+    const __m512i u = _mm512_castps_si512(xn);
+    const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 negative = _mm512_cmplt_epi32_mask(u, zero);  // the sign bit
+    // bucket(abs, sign) and within(abs, sign)
+    __m512i key = _mm512_srli_epi32(abs, QuantTable::kShift);
+    const __m512i key_low = _mm512_set1_epi32(QuantTable::kKeyLow);
+    if constexpr (kBounded) {  // key - kKeyLow, or 0 below it (a 16-bit saturating subtraction)
+      key = _mm512_subs_epu16(key, key_low);
+    } else {
+      const __m512i key_high = _mm512_set1_epi32(QuantTable::kKeyHigh);
+      key = _mm512_sub_epi32(_mm512_min_epi32(_mm512_max_epi32(key, key_low), key_high), key_low);
+    }
+    key = _mm512_mask_add_epi32(key, negative, key, _mm512_set1_epi32(QuantTable::kKeys));
+    const __m512i low =
+        _mm512_and_si512(abs, _mm512_set1_epi32(static_cast<int32_t>(QuantTable::kLowMask)));
+    const __m512i within = _mm512_mask_sub_epi32(low, negative, zero, low);
+    // code(entry, within): the entry, plus one where within passes its threshold, has the code
+    // in its low byte, which the narrowing keeps (a base of 255 has no threshold); a NaN's is 0
+    const __m512i entry = _mm512_i32gather_epi32(key, entries_, 4);
+    const __mmask16 up = _mm512_cmpge_epi32_mask(within, _mm512_srai_epi32(entry, 8));
+    __m512i code = _mm512_mask_add_epi32(entry, up, entry, _mm512_set1_epi32(1));
+    if constexpr (!kBounded) {
+      code = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(xn, xn, _CMP_ORD_Q), code);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(code));
+  }
+
+ private:
+  __m512 vscale_;
+  const int32_t* entries_;
+};
+
+// quant8's table path for the first n - n % 16 elements (returned).
 template <bool kBounded>
 LEANDDP_ISA_ATTR int64_t quant8_gathered(const float* __restrict x, float scale,
                                          const QuantTable& table, uint8_t* __restrict codes,
                                          int64_t n) {
-  const __m512 vscale = _mm512_set1_ps(scale);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
-  const __m512i low_mask = _mm512_set1_epi32(static_cast<int32_t>(QuantTable::kLowMask));
-  const __m512i key_low = _mm512_set1_epi32(QuantTable::kKeyLow);
-  const __m512i key_high = _mm512_set1_epi32(QuantTable::kKeyHigh);
-  const __m512i keys = _mm512_set1_epi32(QuantTable::kKeys);
-  const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+  const Quantizer16<kBounded> quantize(scale, table);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 xn = _mm512_div_ps(_mm512_loadu_ps(x + i), vscale);
-    const __m512i u = _mm512_castps_si512(xn);
-    const __m512i abs = _mm512_and_si512(u, abs_mask);
-    const __mmask16 negative = _mm512_cmplt_epi32_mask(u, zero);  // the sign bit
-    // bucket(abs, sign) and within(abs, sign)
-    __m512i key = _mm512_srli_epi32(abs, QuantTable::kShift);
-    if constexpr (kBounded) {  // key - kKeyLow, or 0 below it (a 16-bit saturating subtraction)
-      key = _mm512_subs_epu16(key, key_low);
-    } else {
-      key = _mm512_sub_epi32(_mm512_min_epi32(_mm512_max_epi32(key, key_low), key_high), key_low);
-    }
-    key = _mm512_mask_add_epi32(key, negative, key, keys);
-    const __m512i low = _mm512_and_si512(abs, low_mask);
-    const __m512i within = _mm512_mask_sub_epi32(low, negative, zero, low);
-    // code(entry, within): the entry, plus one where within passes its threshold, has the code
-    // in its low byte, which the narrowing keeps (a base of 255 has no threshold); a NaN's is 0
-    const __m512i entry = _mm512_i32gather_epi32(key, table.entry, 4);
-    const __mmask16 up = _mm512_cmpge_epi32_mask(within, _mm512_srai_epi32(entry, 8));
-    __m512i code = _mm512_mask_add_epi32(entry, up, entry, one);
-    if constexpr (!kBounded) {
-      code = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(xn, xn, _CMP_ORD_Q), code);
-    }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(code));
-  }
+  for (; i + 16 <= n; i += 16) quantize(x + i, codes + i);
   return i;
 }
 #elif LEANDDP_ISA_F16C == 256  // AVX2
@@ -275,10 +288,91 @@ class ExactDivisor {
 };
 #endif
 
+#if LEANDDP_ISA_F16C == 512  // AVX-512
+// adam8_update for 16 lanes, with the same operations in the same order; its two divisions by
+// the bias corrections are ExactDivisor's where it can.
+template <bool kDecoupled>
+class Adam8Update16 {
+ public:
+  LEANDDP_ISA_ATTR explicit Adam8Update16(const Adam8Consts& c)
+      : exact_(ExactDivisor::usable(c.bc1, c.inv_bc1) &&
+               ExactDivisor::usable(c.bc2_sqrt, c.inv_bc2_sqrt)),
+        by_bc1_(c.bc1, c.inv_bc1),
+        by_bc2_sqrt_(c.bc2_sqrt, c.inv_bc2_sqrt),
+        grad_mul_(_mm512_set1_ps(c.grad_mul)),
+        lr_(_mm512_set1_ps(c.lr)),
+        lr_wd_(_mm512_set1_ps(c.lr_wd)),
+        l2_(_mm512_set1_ps(c.l2)),
+        coef1_(_mm512_set1_ps(c.coef1)),
+        coef2_(_mm512_set1_ps(c.coef2)),
+        bc1_(_mm512_set1_ps(c.bc1)),
+        bc2_sqrt_(_mm512_set1_ps(c.bc2_sqrt)),
+        eps_(_mm512_set1_ps(c.eps)),
+        end1_(c.end_base1 ? 0xffff : 0),
+        end2_(c.end_base2 ? 0xffff : 0) {}
+
+  // p[0, 16) stepped in place from g, and m, v from their old values to their new ones.
+  // kMaxima: the running maxima max_m, max_v take the new moments' abs_bits.
+  template <bool kMaxima>
+  LEANDDP_ISA_ATTR C10_ALWAYS_INLINE void step(float* __restrict p, const float* __restrict g,
+                                               float* __restrict m, float* __restrict v,
+                                               __m512i& max_m, __m512i& max_v) const {
+    __m512 pv = _mm512_loadu_ps(p);
+    __m512 gv = _mm512_mul_ps(_mm512_loadu_ps(g), grad_mul_);
+    if constexpr (kDecoupled) {
+      pv = _mm512_sub_ps(pv, _mm512_mul_ps(lr_wd_, pv));
+    } else {
+      gv = _mm512_add_ps(gv, _mm512_mul_ps(l2_, pv));
+    }
+    const __m512 mv = _mm512_loadu_ps(m), vv = _mm512_loadu_ps(v);
+    const __m512 m_new = _mm512_add_ps(_mm512_mul_ps(coef1_, _mm512_sub_ps(gv, mv)),
+                                       _mm512_mask_blend_ps(end1_, mv, gv));
+    const __m512 g2 = _mm512_mul_ps(gv, gv);
+    const __m512 v_new = _mm512_add_ps(_mm512_mul_ps(coef2_, _mm512_sub_ps(g2, vv)),
+                                       _mm512_mask_blend_ps(end2_, vv, g2));
+    const __m512 root = _mm512_sqrt_ps(v_new);
+    // sqrt(v_new) / bc2_sqrt, m_new / bc1
+    const __m512 root_c = exact_ ? by_bc2_sqrt_.divide(root) : _mm512_div_ps(root, bc2_sqrt_);
+    const __m512 m_c = exact_ ? by_bc1_.divide(m_new) : _mm512_div_ps(m_new, bc1_);
+    const __m512 denom = _mm512_add_ps(root_c, eps_);
+    pv = _mm512_sub_ps(pv, _mm512_div_ps(_mm512_mul_ps(lr_, m_c), denom));
+    _mm512_storeu_ps(p, pv);
+    _mm512_storeu_ps(m, m_new);
+    _mm512_storeu_ps(v, v_new);
+    if constexpr (kMaxima) {
+      const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+      max_m = _mm512_max_epu32(max_m, _mm512_and_si512(_mm512_castps_si512(m_new), abs_mask));
+      max_v = _mm512_max_epu32(max_v, _mm512_and_si512(_mm512_castps_si512(v_new), abs_mask));
+    }
+  }
+
+ private:
+  bool exact_;  // (no division instruction where the bias corrections allow: ExactDivisor)
+  ExactDivisor by_bc1_, by_bc2_sqrt_;
+  __m512 grad_mul_, lr_, lr_wd_, l2_, coef1_, coef2_, bc1_, bc2_sqrt_, eps_;
+  __mmask16 end1_, end2_;
+};
+
+// The largest of x's lanes (by hand: GCC 12 warns inside _mm512_reduce_max_epu32).
+LEANDDP_ISA_ATTR inline uint32_t largest_lane(__m512i x) {
+  alignas(64) uint32_t lanes[16];
+  _mm512_store_si512(lanes, x);
+  uint32_t largest = 0;
+  for (const uint32_t lane : lanes) largest = std::max(largest, lane);
+  return largest;
+}
+
+// The loops ask for p's and g's memory two blocks (of n) ahead of element i.
+LEANDDP_ISA_ATTR C10_ALWAYS_INLINE void prefetch_ahead(const float* p, const float* g, int64_t n,
+                                                       int64_t i) {
+  prefetch_line(p, (2 * n + i) * static_cast<int64_t>(sizeof(float)));
+  prefetch_line(g, (2 * n + i) * static_cast<int64_t>(sizeof(float)));
+}
+#endif
+
 // adam8_update over n elements in place: p, and the moments m, v from their old values to their
-// new ones. AVX-512 steps 16 lanes at a time with the same operations in the same order, its two
-// divisions by the bias corrections as ExactDivisor's where it can. kMaxima: maxima[0] and [1]
-// are set to the largest abs_bits of the new m and v.
+// new ones (AVX-512: Adam8Update16, 16 lanes at a time). kMaxima: maxima[0] and [1] are set to the
+// largest abs_bits of the new m and v.
 template <bool kDecoupled, bool kMaxima = false>
 LEANDDP_ISA_ATTR void adam8_update_loop(float* __restrict p, const float* __restrict g,
                                         float* __restrict m, float* __restrict v, int64_t n,
@@ -287,56 +381,15 @@ LEANDDP_ISA_ATTR void adam8_update_loop(float* __restrict p, const float* __rest
   int64_t i = 0;
   uint32_t bm = 0, bv = 0;
 #if LEANDDP_ISA_F16C == 512
-  // (no division instruction where the bias corrections allow: ExactDivisor)
-  const bool exact =
-      ExactDivisor::usable(c.bc1, c.inv_bc1) && ExactDivisor::usable(c.bc2_sqrt, c.inv_bc2_sqrt);
-  const ExactDivisor by_bc1(c.bc1, c.inv_bc1), by_bc2_sqrt(c.bc2_sqrt, c.inv_bc2_sqrt);
-  const __m512 grad_mul = _mm512_set1_ps(c.grad_mul), lr = _mm512_set1_ps(c.lr);
-  const __m512 lr_wd = _mm512_set1_ps(c.lr_wd), l2 = _mm512_set1_ps(c.l2);
-  const __m512 coef1 = _mm512_set1_ps(c.coef1), coef2 = _mm512_set1_ps(c.coef2);
-  const __m512 bc1 = _mm512_set1_ps(c.bc1), bc2_sqrt = _mm512_set1_ps(c.bc2_sqrt);
-  const __m512 eps = _mm512_set1_ps(c.eps);
-  const __mmask16 end1 = c.end_base1 ? 0xffff : 0, end2 = c.end_base2 ? 0xffff : 0;
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const Adam8Update16<kDecoupled> update(c);
   __m512i vbm = _mm512_setzero_si512(), vbv = _mm512_setzero_si512();
   for (; i + 16 <= n; i += 16) {
-    prefetch_line(p, (2 * n + i) * static_cast<int64_t>(sizeof(float)));
-    prefetch_line(g, (2 * n + i) * static_cast<int64_t>(sizeof(float)));
-    __m512 pv = _mm512_loadu_ps(p + i);
-    __m512 gv = _mm512_mul_ps(_mm512_loadu_ps(g + i), grad_mul);
-    if constexpr (kDecoupled) {
-      pv = _mm512_sub_ps(pv, _mm512_mul_ps(lr_wd, pv));
-    } else {
-      gv = _mm512_add_ps(gv, _mm512_mul_ps(l2, pv));
-    }
-    const __m512 mv = _mm512_loadu_ps(m + i), vv = _mm512_loadu_ps(v + i);
-    const __m512 m_new = _mm512_add_ps(_mm512_mul_ps(coef1, _mm512_sub_ps(gv, mv)),
-                                       _mm512_mask_blend_ps(end1, mv, gv));
-    const __m512 g2 = _mm512_mul_ps(gv, gv);
-    const __m512 v_new = _mm512_add_ps(_mm512_mul_ps(coef2, _mm512_sub_ps(g2, vv)),
-                                       _mm512_mask_blend_ps(end2, vv, g2));
-    const __m512 root = _mm512_sqrt_ps(v_new);
-    // sqrt(v_new) / bc2_sqrt, m_new / bc1
-    const __m512 root_c = exact ? by_bc2_sqrt.divide(root) : _mm512_div_ps(root, bc2_sqrt);
-    const __m512 m_c = exact ? by_bc1.divide(m_new) : _mm512_div_ps(m_new, bc1);
-    const __m512 denom = _mm512_add_ps(root_c, eps);
-    pv = _mm512_sub_ps(pv, _mm512_div_ps(_mm512_mul_ps(lr, m_c), denom));
-    _mm512_storeu_ps(p + i, pv);
-    _mm512_storeu_ps(m + i, m_new);
-    _mm512_storeu_ps(v + i, v_new);
-    if constexpr (kMaxima) {
-      vbm = _mm512_max_epu32(vbm, _mm512_and_si512(_mm512_castps_si512(m_new), abs_mask));
-      vbv = _mm512_max_epu32(vbv, _mm512_and_si512(_mm512_castps_si512(v_new), abs_mask));
-    }
+    prefetch_ahead(p, g, n, i);
+    update.template step<kMaxima>(p + i, g + i, m + i, v + i, vbm, vbv);
   }
-  if constexpr (kMaxima) {  // (by hand: GCC 12 warns inside _mm512_reduce_max_epu32)
-    alignas(64) uint32_t lanes[2][16];
-    _mm512_store_si512(lanes[0], vbm);
-    _mm512_store_si512(lanes[1], vbv);
-    for (int k = 0; k < 16; ++k) {
-      bm = std::max(bm, lanes[0][k]);
-      bv = std::max(bv, lanes[1][k]);
-    }
+  if constexpr (kMaxima) {
+    bm = largest_lane(vbm);
+    bv = largest_lane(vbv);
   }
 #endif
   for (; i < n; ++i) {
@@ -351,6 +404,9 @@ LEANDDP_ISA_ATTR void adam8_update_loop(float* __restrict p, const float* __rest
     maxima[1] = bv;
   }
 }
+
+// a finite largest magnitude bounds every x / scale by 1
+constexpr uint32_t kInfBits = 0x7f800000u;
 
 // One quantization block of n elements: parameters p (float) stepped in place from gradients g;
 // the moments' codes cm, cv and scales *sm, *sv read and rewritten; mbuf, vbuf: n floats of
@@ -368,19 +424,91 @@ LEANDDP_ISA_ATTR void adam8_quant_loop(float* __restrict p, const float* __restr
   adam8_update_loop<kDecoupled, true>(p, g, mbuf, vbuf, n, c, maxima);
   *sm = quant_scale(from_bits(maxima[0]));
   *sv = quant_scale(from_bits(maxima[1]));
-  // a finite largest magnitude bounds every x / scale by 1
-  constexpr uint32_t kInfBits = 0x7f800000u;
   quant8(mbuf, *sm, maxima[0] < kInfBits, maps.qs, maps.ts, cm, n);
   quant8(vbuf, *sv, maxima[1] < kInfBits, maps.qu, maps.tu, cv, n);
 }
 
+#if LEANDDP_ISA_F16C == 512  // AVX-512
+// adam8_quant_loop over `blocks` consecutive blocks of n elements (n a multiple of 16, both maps'
+// tables exact), with block b's update and block b - 1's quantization in one loop: the
+// quantization waits on the divider and the gathers, the update mostly on the vector arithmetic,
+// and in one loop they overlap (in separate loops, the out-of-order window is too small to).
+// mbuf, vbuf: 2 n floats each, block b's moments in half b % 2.
+template <bool kDecoupled>
+LEANDDP_ISA_ATTR void adam8_quant_overlapped(float* __restrict p, const float* __restrict g,
+                                             uint8_t* __restrict cm, uint8_t* __restrict cv,
+                                             float* __restrict sm, float* __restrict sv,
+                                             const QuantMaps& maps, int64_t n, int64_t blocks,
+                                             const Adam8Consts& consts, float* __restrict mbuf,
+                                             float* __restrict vbuf) {
+  const Adam8Consts c = consts;  // (as in adam_loop)
+  const Adam8Update16<kDecoupled> update(c);
+  uint32_t last[2] = {0, 0};  // block b - 1's largest abs_bits of m and v
+  for (int64_t b = 0; b <= blocks; ++b) {
+    const int64_t at = b * n, before = at - n;
+    float* m = mbuf + (b % 2) * n;
+    float* v = vbuf + (b % 2) * n;
+    float* m_before = mbuf + ((b + 1) % 2) * n;
+    float* v_before = vbuf + ((b + 1) % 2) * n;
+    // block b - 1 is quantized in block b's loop where both its moments are bounded, else here
+    const bool overlap = b > 0 && b < blocks && last[0] < kInfBits && last[1] < kInfBits;
+    if (b > 0 && !overlap) {
+      quant8(m_before, sm[b - 1], last[0] < kInfBits, maps.qs, maps.ts, cm + before, n);
+      quant8(v_before, sv[b - 1], last[1] < kInfBits, maps.qu, maps.tu, cv + before, n);
+    }
+    if (b == blocks) break;
+    dequant8(cm + at, maps.qs, maps.ts, sm[b], m, n);
+    dequant8(cv + at, maps.qu, maps.tu, sv[b], v, n);
+    float* pb = p + at;
+    const float* gb = g + at;
+    __m512i max_m = _mm512_setzero_si512(), max_v = _mm512_setzero_si512();
+    if (overlap) {
+      const Quantizer16<true> quantize_m(sm[b - 1], *maps.ts), quantize_v(sv[b - 1], *maps.tu);
+      for (int64_t i = 0; i < n; i += 16) {
+        prefetch_ahead(pb, gb, n, i);
+        update.template step<true>(pb + i, gb + i, m + i, v + i, max_m, max_v);
+        quantize_m(m_before + i, cm + before + i);
+        quantize_v(v_before + i, cv + before + i);
+      }
+    } else {
+      for (int64_t i = 0; i < n; i += 16) {
+        prefetch_ahead(pb, gb, n, i);
+        update.template step<true>(pb + i, gb + i, m + i, v + i, max_m, max_v);
+      }
+    }
+    last[0] = largest_lane(max_m);
+    last[1] = largest_lane(max_v);
+    sm[b] = quant_scale(from_bits(last[0]));
+    sv[b] = quant_scale(from_bits(last[1]));
+  }
+}
+#endif
+
+// `blocks` consecutive quantization blocks of n elements each (p, g, cm, cv at the first block's
+// first element, sm, sv at its scales), each as adam8_quant_loop steps it; mbuf, vbuf: 2 n floats
+// of scratch each where blocks > 1, else n.
 LEANDDP_ISA_ATTR void adam8_quant_block(float* __restrict p, const float* __restrict g,
                                         uint8_t* __restrict cm, uint8_t* __restrict cv,
                                         float* __restrict sm, float* __restrict sv,
-                                        const QuantMaps& maps, int64_t n, const Adam8Consts& c,
-                                        float* __restrict mbuf, float* __restrict vbuf) {
-  c.decoupled ? adam8_quant_loop<true>(p, g, cm, cv, sm, sv, maps, n, c, mbuf, vbuf)
-              : adam8_quant_loop<false>(p, g, cm, cv, sm, sv, maps, n, c, mbuf, vbuf);
+                                        const QuantMaps& maps, int64_t n, int64_t blocks,
+                                        const Adam8Consts& c, float* __restrict mbuf,
+                                        float* __restrict vbuf) {
+#if LEANDDP_ISA_F16C == 512
+  const bool tables = maps.ts != nullptr && maps.ts->exact && maps.tu != nullptr && maps.tu->exact;
+  if (blocks > 1 && n % 16 == 0 && tables) {
+    c.decoupled
+        ? adam8_quant_overlapped<true>(p, g, cm, cv, sm, sv, maps, n, blocks, c, mbuf, vbuf)
+        : adam8_quant_overlapped<false>(p, g, cm, cv, sm, sv, maps, n, blocks, c, mbuf, vbuf);
+    return;
+  }
+#endif
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at = b * n;
+    c.decoupled ? adam8_quant_loop<true>(p + at, g + at, cm + at, cv + at, sm + b, sv + b, maps, n,
+                                         c, mbuf, vbuf)
+                : adam8_quant_loop<false>(p + at, g + at, cm + at, cv + at, sm + b, sv + b, maps, n,
+                                          c, mbuf, vbuf);
+  }
 }
 
 // n elements of a parameter whose moments m, v are plain floats: the same update.

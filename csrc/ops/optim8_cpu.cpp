@@ -31,13 +31,17 @@ inline void prefetch(const char* at, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) prefetch_line(at, offset);
 }
 
-// Per-thread scratch: a unit's parameters, gradients and moments as floats.
+// Quantization blocks stepped by one call where parameters and gradients are float32 (the AVX-512
+// loops overlap one block's update with the previous block's quantization).
+constexpr int64_t kRunBlocks = 8;
+
+// Per-thread scratch: a unit's parameters and gradients as floats, and the moments of two.
 struct Scratch {
   static constexpr int64_t kElems = std::max(kMaxQuantBlock, kPlainElems);
   alignas(64) float p[kElems];
   alignas(64) float g[kElems];
-  alignas(64) float m[kElems];
-  alignas(64) float v[kElems];
+  alignas(64) float m[2 * kElems];
+  alignas(64) float v[2 * kElems];
 };
 
 void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
@@ -99,15 +103,18 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
     const int64_t first = u * unit[t];
     return std::pair<int64_t, int64_t>{first, std::min(unit[t], params[t].numel() - first)};
   };
-  const auto step_unit = [&](size_t t, int64_t u, Scratch& s) {
-    const auto [first, len] = span_of(t, u);
+  // Units [u, u + count) of tensor t; count > 1 only for quantized blocks of float32
+  // parameters and gradients, which are all of one length.
+  const auto step_units = [&](size_t t, int64_t u, int64_t count, Scratch& s) {
+    const auto [first, one] = span_of(t, u);
+    const int64_t len = one * count;
     float* p = as_float(param_dtype, p_at[t], first, len, s.p);
     const float* g = as_float(grad_dtype, g_at[t], first, len, s.g);
     if (quantized[t]) {
       loops.adam8_quant(p, g, reinterpret_cast<uint8_t*>(m_at[t]) + first,
                         reinterpret_cast<uint8_t*>(v_at[t]) + first,
                         reinterpret_cast<float*>(sm_at[t]) + u,
-                        reinterpret_cast<float*>(sv_at[t]) + u, maps, len, consts, s.m, s.v);
+                        reinterpret_cast<float*>(sv_at[t]) + u, maps, one, count, consts, s.m, s.v);
     } else {
       float* m = as_float(param_dtype, m_at[t], first, len, s.m);
       float* v = as_float(param_dtype, v_at[t], first, len, s.v);
@@ -135,9 +142,10 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
     const std::unique_ptr<Scratch> scratch(new Scratch);  // (default-initialized: not zeroed)
     range.for_each_piece(first, last, [&](int32_t t, int64_t begin, int64_t len) {
       const auto i = static_cast<size_t>(t);
-      for (int64_t u = begin; u < begin + len; ++u) {
+      const int64_t run = quantized[i] && !prefetch_blocks ? kRunBlocks : 1;
+      for (int64_t u = begin; u < begin + len; u += run) {
         if (prefetch_blocks && quantized[i] && u + 1 < begin + len) prefetch_block(i, u + 1);
-        step_unit(i, u, *scratch);
+        step_units(i, u, std::min(run, begin + len - u), *scratch);
       }
     });
   });

@@ -38,7 +38,11 @@ LOOPS: list[tuple[str, str, str | dict[str, str]]] = [
     ("scale fp16", r"scale_half_block", r"mulps"),
     ("adam fp16", r"::adam_half_(block|amp|loop)\b", r"sqrtps"),
     ("sgd fp16", r"::sgd_half_(block|loop)\b", r"mulps"),
-    ("adam8 update", r"::adam8_(quant_loop\b|update_loop<(true|false), true>)", r"sqrtps"),
+    (
+        "adam8 update",
+        r"::adam8_(quant_(loop|block|overlapped)\b|update_loop<(true|false), true>)",
+        r"sqrtps",
+    ),
     ("adam8 plain", r"::adam8_(plain_block\b|update_loop<(true|false), false>)", r"sqrtps"),
     ("adam8 quantize", r"::quant8(_block)?\b", r"divps"),
     (
