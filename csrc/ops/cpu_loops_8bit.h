@@ -245,9 +245,9 @@ LEANDDP_ISA_ATTR void quant8(float* __restrict x, float scale, bool bounded,
 
 #if LEANDDP_ISA_F16C == 512  // AVX-512
 // Division by a constant d in [2^-26, 1] (a bias correction), rounded as the division rounds it,
-// in four multiply-adds, where x is 0 or |x| is in [2^-96, 2^100]; other lanes (NaNs,
-// infinities, the far ends) divide. With d's Reciprocal (y = RN(1/d), hi = RD(1/d), lo >= 0 the
-// rest, hi + lo = 1/d to 2^-46 relative): x hi + RN(x lo) is within 2^-45 relative of x / d, so
+// in a multiply and three multiply-adds, where x is 0 or |x| is in [2^-96, 2^100]; other lanes
+// (NaNs, infinities, the far ends) divide. With d's Reciprocal (y = RN(1/d), hi = RD(1/d), lo >= 0
+// the rest, hi + lo = 1/d to 2^-46 relative): x hi + RN(x lo) is within 2^-45 relative of x / d, so
 // q0, its rounding, is within one ulp of x / d (x lo may be subnormal: its error is then under
 // 2^-150, still below 2^-54 of x / d); then r = x - q0 d is a float, computed exactly by a
 // multiply-add (r is a multiple of 2^(e - 47), e the exponent of x, at least 2^-143: x's lower

@@ -119,22 +119,27 @@ for dt in (torch.float32, torch.bfloat16):
                            eps=1e-8, weight_decay=0.1, step=step, grad_scale=0.9)
     out["adam8 " + str(dt)] = [p, m, v, sm, sv]
 # Runs of blocks (the AVX-512 loops step up to 8 at a time, each block's update beside the
-# previous block's quantization): 21 blocks of 128, where block 2's second moment turns infinite
-# and block 5's moments NaN (such blocks quantize apart), and 12 blocks of 40 (not whole vectors)
+# previous block's quantization), AdamW and Adam: 21 blocks of 128, where some blocks' second
+# moments turn infinite (in the middle of the first run of 8, at its end, at the start of the
+# second, and the last block) and block 5's moments NaN (such blocks quantize apart), and 12
+# blocks of 40 (not whole vectors)
 n_runs = [128 * 21, 40 * 12]
-p = [randn(n) for n in n_runs]
-m = [torch.zeros(n, dtype=torch.uint8) for n in n_runs]
-v = [t.clone() for t in m]
-sm = [torch.zeros(n // b) for n, b in zip(n_runs, (128, 40))]
-sv = [t.clone() for t in sm]
-for step in (1, 2, 3):
-    g = [randn(n) for n in n_runs]
-    g[0][2 * 128 + 5] = 1e20  # squared: infinite
-    if step == 2:
-        g[0][5 * 128 + 7] = float("nan")
-    ops.adam8bit_step_(p, g, m, v, sm, sv, qs, qu, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8,
-                       weight_decay=0.1, step=step)
-out["adam8 runs"] = [t.view(torch.int32) for t in p + sm + sv] + m + v
+for decoupled in (True, False):
+    p = [randn(n) for n in n_runs]
+    m = [torch.zeros(n, dtype=torch.uint8) for n in n_runs]
+    v = [t.clone() for t in m]
+    sm = [torch.zeros(n // b) for n, b in zip(n_runs, (128, 40))]
+    sv = [t.clone() for t in sm]
+    for step in (1, 2, 3):
+        g = [randn(n) for n in n_runs]
+        for block in (2, 7, 8, 20):
+            g[0][block * 128 + 5] = 1e20  # squared: infinite
+        if step == 2:
+            g[0][5 * 128 + 7] = float("nan")
+        ops.adam8bit_step_(p, g, m, v, sm, sv, qs, qu, lr=1e-2, beta1=0.9, beta2=0.99,
+                           eps=1e-8, weight_decay=0.1, step=step,
+                           decoupled_weight_decay=decoupled)
+    out[f"adam8 runs {decoupled}"] = [t.view(torch.int32) for t in p + sm + sv] + m + v
 # The update at edge values (the AVX-512 loop divides by the bias corrections without a division
 # instruction, in double precision). Plain state holds the moments as given: lanes drawn from
 # moderate values (zeros of both signs included) and, in a second parameter, from tiny,
