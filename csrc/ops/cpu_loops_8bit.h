@@ -3,10 +3,11 @@
 // avx512vbmi variant (no include guard, on purpose). The arithmetic is optim8_math.h's. A block
 // is stepped in passes over its moments held as floats in scratch buffers (in L1): dequantize;
 // update, taking the new moments' largest magnitudes (an integer maximum, abs_bits) as it goes;
-// requantize. The update, the maxima and the
-// quantization's divisions and bucket keys are vectorized. The table look-ups (one per element to
-// dequantize, and one to quantize, quant_table.h, where its table is exact, else torchao's binary
-// search) are gathers with AVX-512 (16 lanes) and AVX2 (8), scalar loads in the baseline; where
+// requantize (with AVX-512, a run of blocks overlaps each block's update with the previous
+// block's quantization: adam8_quant_overlapped). The update, the maxima and the quantization's
+// divisions and bucket keys are vectorized. The table look-ups (one per element to dequantize,
+// and one to quantize, quant_table.h, where its table is exact, else torchao's binary search) are
+// gathers with AVX-512 (16 lanes) and AVX2 (8), scalar loads in the baseline; where
 // LEANDDP_ISA_VBMI is defined (AVX-512 with VBMI) dequantizing is byte permutes instead. The
 // compiler turns the scalar loops into emulated gathers (element by element through general
 // registers): the step took 1.65 times as long that way with AVX-512 and 1.5 times with AVX2 on
