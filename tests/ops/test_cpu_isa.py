@@ -141,7 +141,7 @@ for decoupled in (True, False):
                            decoupled_weight_decay=decoupled)
     out[f"adam8 runs {decoupled}"] = [t.view(torch.int32) for t in p + sm + sv] + m + v
 # The update at edge values (the AVX-512 loop divides by the bias corrections without a division
-# instruction, in double precision). Plain state holds the moments as given: lanes drawn from
+# instruction: ExactDivisor). Plain state holds the moments as given: lanes drawn from
 # moderate values (zeros of both signs included) and, in a second parameter, from tiny,
 # subnormal and huge ones too, with gradients from 0 to 1e20 there (whose square is infinite:
 # some parameters end as NaN).
