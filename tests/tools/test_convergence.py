@@ -1,0 +1,74 @@
+"""benchmarks/convergence.py: its rates, its reuse of finished runs and its arithmetic, on bench
+results written in place (launching the bench itself is tests/tools/test_bench.py's part)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "convergence.py"
+CONFIGS = ["torch DDP", "torch DDP + AdamW8bit"]
+
+
+def load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("convergence", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_run(out: Path, lr: float, losses: dict[str, list[float]], steps: int = 300) -> None:
+    """A bench.json as ``python -m leanddp.bench`` writes it, with these losses."""
+    args = dict(configs=str(CONFIGS), lr=repr(lr), steps=str(steps), accum="[1]", model="tiny")
+    args["dtype"] = "fp32"
+    env = dict(torch="t", python="p", cpu="c")
+    runs = [dict(config=c, losses=losses[c]) for c in CONFIGS]
+    (out / f"lr{lr!r}").mkdir(parents=True)
+    (out / f"lr{lr!r}" / "bench.json").write_text(json.dumps(dict(args=args, env=env, runs=runs)))
+
+
+def test_rates_are_spaced_around_the_central_one() -> None:
+    conv = load()
+    args = conv.parser().parse_args(["--lr", "0.002", "--jitter", "0.01", "--points", "5"])
+    assert conv.rates(args) == [0.00196, 0.00198, 0.002, 0.00202, 0.00204]
+
+
+def test_the_report_compares_each_rate_with_the_reference(tmp_path: Path) -> None:
+    conv = load()
+    argv = ["--points", "3", "--jitter", "0.001", "--out", str(tmp_path)]
+    lrs = conv.rates(conv.parser().parse_args(argv))
+    # reference finals 1.0, 1.02, 0.99; the other config 2% below, 0.5% above, level
+    fp32 = [1.0, 1.02, 0.99]
+    low = [0.98, 1.0251, 0.99]
+    for lr, a, b in zip(lrs, fp32, low, strict=True):
+        fake_run(tmp_path, lr, {CONFIGS[0]: [5.0] * 20 + [a], CONFIGS[1]: [5.0] * 20 + [b]})
+    conv.main(argv)  # every rate read from its bench.json: nothing is launched
+    md = (tmp_path / "convergence.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| 0.")]
+    assert [r.split("|")[1].strip() for r in rows] == [repr(lr) for lr in lrs]
+    assert [r.split("|")[6].strip() for r in rows] == ["-2.00%", "+0.50%", "+0.00%"]
+    assert "within 1% at 2 of 3 rates" in md
+    assert "mean change 2.47%, largest 2.94%" in md  # |1.02/1.0 - 1|, |0.99/1.02 - 1|
+    saved = json.loads((tmp_path / "convergence.json").read_text())
+    assert saved["rates"][repr(lrs[0])][CONFIGS[1]][0] == 0.98
+    assert (tmp_path / "convergence.png").stat().st_size > 0
+
+
+def test_bad_arguments_are_refused_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    conv = load()
+    for argv, message in (
+        (["--points", "0"], "--points must be at least 1"),
+        (["--jitter", "0.5", "--points", "5"], "reaches a rate <= 0"),
+        (["--steps", "0"], "--steps must be at least 1"),
+    ):
+        with pytest.raises(SystemExit):
+            conv.main([*argv, "--out", str(tmp_path / "x")])
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "x").exists(), message
