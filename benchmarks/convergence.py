@@ -157,11 +157,17 @@ def report(args: argparse.Namespace, lrs: list[float], per_lr: list[dict[str, An
     return "\n".join(lines) + "\n"
 
 
-def plot(args: argparse.Namespace, lrs: list[float], per_lr: list[dict[str, Any]]) -> None:
-    import matplotlib
+def plot(args: argparse.Namespace, lrs: list[float], per_lr: list[dict[str, Any]]) -> bool:
+    """convergence.png: each configuration's final loss against the learning rate; False
+    without matplotlib."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[convergence] matplotlib is not installed: no PNG written", file=sys.stderr)
+        return False
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for c in args.configs:
@@ -172,6 +178,8 @@ def plot(args: argparse.Namespace, lrs: list[float], per_lr: list[dict[str, Any]
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.out / "convergence.png", dpi=120)
+    plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -193,9 +201,9 @@ def main(argv: list[str] | None = None) -> None:
         "rates": {repr(lr): finals(f) for lr, f in zip(lrs, per_lr, strict=True)},
     }
     (args.out / "convergence.json").write_text(json.dumps(summary, indent=1))
-    plot(args, lrs, per_lr)
+    written = "md,json,png" if plot(args, lrs, per_lr) else "md,json"
     print(md)
-    print(f"[convergence] wrote {args.out}/convergence.{{md,json,png}}", file=sys.stderr)
+    print(f"[convergence] wrote {args.out}/convergence.{{{written}}}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,13 @@ def test_the_report_compares_each_rate_with_the_reference(tmp_path: Path) -> Non
     assert "mean change 2.47%, largest 2.94%" in md  # |1.02/1.0 - 1|, |0.99/1.02 - 1|
     saved = json.loads((tmp_path / "convergence.json").read_text())
     assert saved["rates"][repr(lrs[0])][CONFIGS[1]][0] == 0.98
-    assert (tmp_path / "convergence.png").stat().st_size > 0
+    try:  # the chart needs matplotlib (CI's second step runs without it)
+        import matplotlib  # noqa: F401
+
+        charted = True
+    except ImportError:
+        charted = False
+    assert (tmp_path / "convergence.png").exists() == charted
 
 
 def test_bad_arguments_are_refused_before_anything_runs(
