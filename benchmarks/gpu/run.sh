@@ -17,7 +17,8 @@
 #           tests/ops/test_cuda_ops.py tests/ops/test_layout_ops.py tests/ops/test_optim8_cuda.py
 #           tests/offload/test_offload.py
 #           tests/offload/test_host_accumulation.py tests/offload/test_forward_waits.py
-#           tests/in_backward/test_in_backward_lowp.py
+#           tests/in_backward/test_in_backward_lowp.py tests/in_backward/test_lowbit_in_backward.py
+#           tests/shard/test_shard_lowbit.py
 #           tests/device/test_cuda_ddp_parity.py tests/device/test_cuda_ddp_async.py; then
 #           compute-sanitizer memcheck, racecheck and synccheck, each over the op tests' CUDA
 #           cases (-k cuda) and the in_backward cases of the test_cuda_ddp_*.py files (not
@@ -53,8 +54,10 @@
 #          test_cuda_ddp_async.py, ~5 s each for spawn, CUDA and NCCL start), ~1.5 min in their
 #          bodies (the 256 MiB embedding read the moment its copy back is queued,
 #          test_forward_waits.py, ~15 s of them), ~30 s
-#          for the op tests' ~100 CUDA cases; the three sanitizer runs share what is left of
-#          TESTS_BUDGET_S, counted from the start with the build (each capped at
+#          for the op tests' ~100 CUDA cases, plus the 8-bit cases' reference: torchao's step
+#          compiled by inductor for Triton once per shape, dtype and optimizer (about a dozen
+#          compiles, perhaps 1-2 min on a fresh machine); the three sanitizer runs share what is
+#          left of TESTS_BUDGET_S, counted from the start with the build (each capped at
 #          SANITIZER_MAX_S, at least SANITIZER_MIN_S, pytest capped so that three of those
 #          fit). With a 3-minute build pytest gets 570 - 180 - 180 = 210 s: if its timeout
 #          cuts it, run `tests` again on the same warm machine (the build is then skipped) or

@@ -20,7 +20,14 @@ from ddp_models import accumulate
 from dist_harness import run_ranks
 from fault_models import Poison, nan_gradients
 from in_backward_models import InBackwardLockStep, grouped, round_trip
-from lowbit_models import Quantizable, assert_torchao_state_equal, resume_both_ways
+from lowbit_models import (
+    Quantizable,
+    assert_torchao_state_equal,
+    eager_numerics_switches,
+    inductor_option,
+    reference_numerics,
+    resume_both_ways,
+)
 
 import leanddp
 
@@ -80,14 +87,19 @@ def code_step_atol(lr: float, step: int) -> float:
 
 def _parity(rank: int, world_size: int, device: str = "cpu") -> None:
     """The variants against torch's DDP + torchao: bit for bit on the CPU; on a GPU (torchao's
-    compiled step fuses multiply-adds) within code_step_atol, bfloat16 one ulp."""
+    step compiled by inductor, with its eager-numerics switches: reference_numerics) within
+    code_step_atol, bfloat16 one ulp."""
     from torchao.optim.subclass_8bit import OptimState8bit
 
     exact = device == "cpu"
     for name, dtype, factory, accum, cap in VARIANTS:
         torch.manual_seed(0)
         run = InBackwardLockStep(
-            Quantizable(dtype).to(device), factory, fused_reference=False, bucket_cap_mb=cap
+            Quantizable(dtype).to(device),
+            factory,
+            fused_reference=False,
+            reference_context=functools.partial(reference_numerics, device),
+            bucket_cap_mb=cap,
         )
         lr = factory.keywords["lr"] if isinstance(factory, functools.partial) else 2e-2
         rtol = 2**-7 if dtype == torch.bfloat16 else 0.0
@@ -202,6 +214,24 @@ def _offload_bf16(rank: int, world_size: int) -> None:
 
 def test_offload_bf16_steps_float32_masters() -> None:
     run_ranks(2, _offload_bf16)
+
+
+def test_device_reference_steps_with_eager_numerics() -> None:
+    """The device cases' reference: torchao's step compiled with inductor's eager numerics on
+    (no fused multiply-adds, IEEE division), by the names this torch gives them; on the CPU,
+    unchanged."""
+    names = eager_numerics_switches()
+    assert len(names) == 2, names
+
+    def values() -> list[object]:
+        return [inductor_option(n) for n in names]
+
+    before = values()
+    with reference_numerics("cuda"):
+        assert values() == [True, True], names
+    assert values() == before
+    with reference_numerics("cpu"):
+        assert values() == before
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")

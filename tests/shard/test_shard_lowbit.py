@@ -22,7 +22,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_harness import run_ranks
 from in_backward_models import InBackwardLockStep, grouped
-from lowbit_models import Quantizable, assert_torchao_state_equal, resume_both_ways
+from lowbit_models import (
+    Quantizable,
+    assert_torchao_state_equal,
+    reference_numerics,
+    resume_both_ways,
+)
 
 import leanddp
 
@@ -277,14 +282,20 @@ def _dcp_load(rank: int, world_size: int, path: Path) -> None:
 def _cuda(rank: int, world_size: int, device: str = "cuda") -> None:
     """On a GPU: the 8-bit steps of each rank's shard on the side stream (NCCL at world size 1:
     a reduce-scatter of one rank; two gloo ranks sharing the GPU: shards cut on block
-    boundaries), against torch's DDP + torchao's compiled step within a GPU's tolerance (it
-    fuses multiply-adds): parameters within 3 * lr * 1.4% per step, at least 99.9% of the codes
-    equal; the gathered state_dict() and a sharded state dict's pieces agree with it."""
+    boundaries), against torch's DDP + torchao's step compiled with inductor's eager numerics
+    (reference_numerics), within a GPU's tolerance: parameters within 3 * lr * 1.4% per step,
+    at least 99.9% of the codes equal; the gathered state_dict() and a sharded state dict's
+    pieces agree with it."""
     torch.manual_seed(0)
     model = Quantizable().to(device)
     torch.manual_seed(1 + rank)
     run = InBackwardLockStep(
-        model, ADAMW8, fused_reference=False, bucket_cap_mb=0.02, ours_kwargs=SHARD
+        model,
+        ADAMW8,
+        fused_reference=False,
+        reference_context=functools.partial(reference_numerics, device),
+        bucket_cap_mb=0.02,
+        ours_kwargs=SHARD,
     )
     for step in range(STEPS):
         run.step([torch.randn(BATCH, Quantizable.IN, device=device) for _ in range(2)])

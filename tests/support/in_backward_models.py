@@ -3,10 +3,12 @@ DDP followed by the same torch optimizer, in the same processes on the same data
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import io
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,7 +96,8 @@ class InBackwardLockStep:
     clips with it (offload), torch's side with clip_grad_norm_ before its step. ``ours_kwargs``:
     passed to leanddp's wrapper only (``ddp_kwargs`` to both). ``fused_reference``: torch's side
     steps with its fused kernel (reference_optimizer); False where a test needs ``factory``'s
-    optimizer exactly as the user builds it (its checkpoint format, param_groups included)."""
+    optimizer exactly as the user builds it (its checkpoint format, param_groups included).
+    ``reference_context``: what torch's side steps inside (lowbit_models.reference_numerics)."""
 
     def __init__(
         self,
@@ -106,6 +109,7 @@ class InBackwardLockStep:
         offload_threads: int | None = None,
         ours_kwargs: dict | None = None,
         fused_reference: bool = True,
+        reference_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         **ddp_kwargs,
     ) -> None:
         self.ref = torch.nn.parallel.DistributedDataParallel(
@@ -130,6 +134,7 @@ class InBackwardLockStep:
             **ddp_kwargs,
         )
         self.max_grad_norm = max_grad_norm
+        self.reference_context = reference_context or contextlib.nullcontext
         self.ref_norm: float | None = None
         self.scheds = (
             [scheduler(self.ref_opt), scheduler(self.ours.optimizer)] if with_scheduler else []
@@ -144,7 +149,8 @@ class InBackwardLockStep:
         if self.max_grad_norm is not None:
             params = self.ref.module.parameters()
             self.ref_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
-        self.ref_opt.step()
+        with self.reference_context():
+            self.ref_opt.step()
         self.ref_opt.zero_grad()
         if legacy_calls:
             self.ours.optimizer.step()

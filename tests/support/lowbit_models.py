@@ -5,6 +5,9 @@ No torchao needed: the shape of the state is what leanddp's bookkeeping meets.""
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -95,9 +98,53 @@ class Quantizable(torch.nn.Module):
         return self.down(torch.tanh(self.up(x.to(self.up.weight.dtype)))).float()
 
 
-#: On a GPU, the least fraction of equal codes against torchao (whose compiled step fuses
-#: multiply-adds, so a value on a code boundary may round to the neighbouring code).
+#: On a GPU, the least fraction of equal codes against torchao (its step compiled by inductor,
+#: whose remaining differences from eager float32, see EAGER_NUMERICS, may round a value on a
+#: code boundary to the neighbouring code).
 CODES_EQUAL = 0.999
+
+#: inductor's switches, by the names torch versions give them, that make its GPU code compute
+#: as eager float32 does, as leanddp's CUDA kernel does: no multiply-add fused across operations
+#: (``emulate_precision_casts`` turns Triton's fp fusion off) and IEEE division (Triton's ``/`` is
+#: otherwise approximate). Without them torchao's compiled GPU step rounds differently often
+#: enough that a bfloat16 run moves apart within a few steps.
+EAGER_NUMERICS = (
+    ("emulate_precision_casts",),
+    ("eager_numerics.division_rounding", "emulate_divison_rounding", "emulate_division_rounding"),
+)
+
+
+def inductor_option(dotted: str) -> Any:
+    """inductor's config option ``dotted`` (``a.b`` for b in class a), or None if this torch
+    has none by that name."""
+    from torch._inductor import config
+
+    value: Any = config
+    for part in dotted.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def eager_numerics_switches() -> list[str]:
+    """The first name of each of EAGER_NUMERICS that this torch has; a torch with none of one
+    set raises."""
+    chosen = []
+    for names in EAGER_NUMERICS:
+        found = [n for n in names if inductor_option(n) is not None]
+        if not found:
+            raise RuntimeError(f"torch {torch.__version__}'s inductor has none of {names}")
+        chosen.append(found[0])
+    return chosen
+
+
+def reference_numerics(device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
+    """Around torchao's reference step on ``device``: on a GPU, inductor's EAGER_NUMERICS
+    switched on; on the CPU nothing (inductor's C++ computes leanddp's bits there as it is)."""
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch._inductor import config
+
+    return config.patch(dict.fromkeys(eager_numerics_switches(), True))
 
 
 def assert_torchao_state_equal(ours: dict, ref: dict, what: str, exact: bool = True) -> None:
