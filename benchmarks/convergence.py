@@ -182,15 +182,31 @@ def plot(args: argparse.Namespace, lrs: list[float], per_lr: list[dict[str, Any]
     return True
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = parser()
-    args = p.parse_args(argv)
+def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """Bad arguments end here, before anything is written or launched."""
+    from leanddp.bench._worker import CONFIGS
+
+    if args.lr <= 0:
+        p.error(f"--lr must be above 0, got {args.lr}")
     if args.points < 1:
         p.error(f"--points must be at least 1, got {args.points}")
-    if not 0 <= args.jitter * (args.points - 1) / 2 < 1:
+    if args.jitter < 0:
+        p.error(f"--jitter must be at least 0, got {args.jitter}")
+    if args.jitter * (args.points - 1) / 2 >= 1:
         p.error(f"--jitter {args.jitter} with --points {args.points} reaches a rate <= 0")
     if args.steps < 1:
         p.error(f"--steps must be at least 1, got {args.steps}")
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: no bench configuration {unknown}; the bench has {list(CONFIGS)}")
+    if len(args.configs) < 2 or len(set(args.configs)) < len(args.configs):
+        p.error(f"--configs: a reference and at least one other, each once, got {args.configs}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
+    args = p.parse_args(argv)
+    check(args, p)
     args.out.mkdir(parents=True, exist_ok=True)
     lrs = rates(args)
     per_lr = [run_one(args, lr, i) for i, lr in enumerate(lrs)]

@@ -73,6 +73,11 @@ def test_bad_arguments_are_refused_before_anything_runs(
         (["--points", "0"], "--points must be at least 1"),
         (["--jitter", "0.5", "--points", "5"], "reaches a rate <= 0"),
         (["--steps", "0"], "--steps must be at least 1"),
+        (["--lr", "0"], "--lr must be above 0"),
+        (["--jitter", "-0.1"], "--jitter must be at least 0"),
+        (["--configs", "torch DDP", "leanddp fast"], "no bench configuration ['leanddp fast']"),
+        (["--configs", "torch DDP"], "a reference and at least one other"),
+        (["--configs", "torch DDP", "torch DDP"], "a reference and at least one other"),
     ):
         with pytest.raises(SystemExit):
             conv.main([*argv, "--out", str(tmp_path / "x")])
