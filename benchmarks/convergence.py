@@ -109,9 +109,13 @@ def relative(a: float, b: float) -> float:
     return (a - b) / b
 
 
-def report(args: argparse.Namespace, lrs: list[float], per_lr: list[dict[str, Any]]) -> str:
+#: per learning rate: configuration -> (final loss, mean of the last LAST losses)
+Table = list[dict[str, tuple[float, float]]]
+
+
+def report(args: argparse.Namespace, lrs: list[float], table: Table, env: dict[str, Any]) -> str:
+    """convergence.md: ``table``'s rows against the reference, then the summary lines."""
     ref, others = args.configs[0], args.configs[1:]
-    env = per_lr[0]["env"]
     lines = [
         "# Final losses over nearby learning rates",
         "",
@@ -128,7 +132,6 @@ def report(args: argparse.Namespace, lrs: list[float], per_lr: list[dict[str, An
         + " |",
         "|---:" * (1 + 2 * len(args.configs) + 2 * len(others)) + "|",
     ]
-    table = [finals(f) for f in per_lr]
     for lr, row in zip(lrs, table, strict=True):
         cells = [f"{row[c][0]:.6f} | {row[c][1]:.6f}" for c in args.configs]
         diffs = [
@@ -157,7 +160,7 @@ def report(args: argparse.Namespace, lrs: list[float], per_lr: list[dict[str, An
     return "\n".join(lines) + "\n"
 
 
-def plot(args: argparse.Namespace, lrs: list[float], per_lr: list[dict[str, Any]]) -> bool:
+def plot(args: argparse.Namespace, lrs: list[float], table: Table) -> bool:
     """convergence.png: each configuration's final loss against the learning rate; False
     without matplotlib."""
     try:
@@ -171,7 +174,7 @@ def plot(args: argparse.Namespace, lrs: list[float], per_lr: list[dict[str, Any]
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for c in args.configs:
-        ax.plot(lrs, [finals(f)[c][0] for f in per_lr], marker="o", label=c)
+        ax.plot(lrs, [row[c][0] for row in table], marker="o", label=c)
     ax.set_xlabel("learning rate")
     ax.set_ylabel(f"final loss after {1 + args.steps} steps")
     ax.set_title("The bench's GPT: final loss over nearby learning rates")
@@ -210,14 +213,15 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     lrs = rates(args)
     per_lr = [run_one(args, lr, i) for i, lr in enumerate(lrs)]
-    md = report(args, lrs, per_lr)
+    table = [finals(f) for f in per_lr]
+    md = report(args, lrs, table, per_lr[0]["env"])
     (args.out / "convergence.md").write_text(md)
     summary = {
         "args": {k: str(v) for k, v in vars(args).items()},
-        "rates": {repr(lr): finals(f) for lr, f in zip(lrs, per_lr, strict=True)},
+        "rates": {repr(lr): row for lr, row in zip(lrs, table, strict=True)},
     }
     (args.out / "convergence.json").write_text(json.dumps(summary, indent=1))
-    written = "md,json,png" if plot(args, lrs, per_lr) else "md,json"
+    written = "md,json,png" if plot(args, lrs, table) else "md,json"
     print(md)
     print(f"[convergence] wrote {args.out}/convergence.{{{written}}}", file=sys.stderr)
 
