@@ -120,7 +120,8 @@ def report(args: argparse.Namespace, lrs: list[float], table: Table, env: dict[s
         "# Final losses over nearby learning rates",
         "",
         f"`python benchmarks/convergence.py --lr {args.lr!r} --jitter {args.jitter!r} --points "
-        f"{args.points} --steps {args.steps}`; each row one `python -m leanddp.bench` run (2 "
+        f"{args.points} --steps {args.steps} --configs {' '.join(map(repr, args.configs))}`; "
+        f"each row one `python -m leanddp.bench` run (2 "
         f"gloo ranks, the tiny GPT, fp32, 1 + {args.steps} steps); torch {env['torch']}, "
         f"Python {env['python']}, {env['cpu']}. Differences are relative to {ref} at the same "
         f"learning rate; negative is lower. Mean: of the last {LAST} steps' losses.",

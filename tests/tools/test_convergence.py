@@ -49,6 +49,7 @@ def test_the_report_compares_each_rate_with_the_reference(tmp_path: Path) -> Non
         fake_run(tmp_path, lr, {CONFIGS[0]: [5.0] * 20 + [a], CONFIGS[1]: [5.0] * 20 + [b]})
     conv.main(argv)  # every rate read from its bench.json: nothing is launched
     md = (tmp_path / "convergence.md").read_text()
+    assert "--configs 'torch DDP' 'torch DDP + AdamW8bit'`" in md  # the command, whole
     rows = [line for line in md.splitlines() if line.startswith("| 0.")]
     assert [r.split("|")[1].strip() for r in rows] == [repr(lr) for lr in lrs]
     assert [r.split("|")[6].strip() for r in rows] == ["-2.00%", "+0.50%", "+0.00%"]
