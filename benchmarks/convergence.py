@@ -15,7 +15,11 @@ way, so one run per optimizer cannot tell how far 8-bit state is from float32 st
 Writes convergence.md, convergence.json and convergence.png into ``--out``; a learning rate
 whose bench.json is already there with the same arguments is read, not run again.
 
-    PYTHONPATH=python python benchmarks/convergence.py [--points 7] [--jitter 0.0005]
+``--data markov`` trains on the bench's other data instead: a new batch every step from a fixed
+Markov chain whose tokens each have 2 successors, so the loss falls towards a floor (ln 2) rather
+than towards 0, and the final losses compare how well each optimizer has learnt the chain.
+
+    PYTHONPATH=python python benchmarks/convergence.py [--points 7] [--jitter 5e-4] [--data markov]
 """
 
 from __future__ import annotations
@@ -30,6 +34,13 @@ from pathlib import Path
 from typing import Any
 
 REFERENCE = "torch DDP"
+#: the bench's --data choices (leanddp.bench._model.DATA), and what each is
+DATA_TEXT = {
+    "repeat": "4 batches of random tokens in turn, learnt by heart (the loss falls towards 0).",
+    "markov": "a new batch every step from a fixed Markov chain, each token followed by one of "
+    "2 tokens (the loss falls towards ln 2 = 0.693).",
+}
+DATA = tuple(DATA_TEXT)
 LAST = 20  # steps averaged for the mean final loss
 
 
@@ -46,6 +57,13 @@ def parser() -> argparse.ArgumentParser:
         help="bench configurations; the first is the reference (default: torch DDP, with "
         "AdamW(fused=True), and torch DDP + AdamW8bit, torchao's)",
     )
+    p.add_argument(
+        "--data",
+        choices=DATA,
+        default="repeat",
+        help="the bench's data: repeat (4 batches learnt by heart) or markov (a new batch every "
+        "step from a fixed chain; the loss has a floor). Default: repeat",
+    )
     p.add_argument("--out", type=Path, default=Path("leanddp-convergence"))
     return p
 
@@ -59,7 +77,7 @@ def bench_args(args: argparse.Namespace, lr: float, out: Path) -> list[str]:
     return [
         "--configs", *args.configs, "--accum", "1", "--steps", str(args.steps), "--warmup", "1",
         "--host-steps", "1", "--world-sizes", "2", "--nproc-per-node", "2", "--device", "cpu",
-        "--lr", repr(lr), "--out", str(out),
+        "--lr", repr(lr), "--data", args.data, "--out", str(out),
     ]  # fmt: skip
 
 
@@ -73,6 +91,7 @@ def same_run(found: dict[str, Any], args: argparse.Namespace, lr: float) -> bool
         and a["accum"] == "[1]"
         and a["model"] == "tiny"
         and a["dtype"] == "fp32"
+        and a.get("data", "repeat") == args.data
     )
 
 
@@ -120,11 +139,13 @@ def report(args: argparse.Namespace, lrs: list[float], table: Table, env: dict[s
         "# Final losses over nearby learning rates",
         "",
         f"`python benchmarks/convergence.py --lr {args.lr!r} --jitter {args.jitter!r} --points "
-        f"{args.points} --steps {args.steps} --configs {' '.join(map(repr, args.configs))}`; "
+        f"{args.points} --steps {args.steps} --data {args.data} --configs "
+        f"{' '.join(map(repr, args.configs))}`; "
         f"each row one `python -m leanddp.bench` run (2 "
         f"gloo ranks, the tiny GPT, fp32, 1 + {args.steps} steps); torch {env['torch']}, "
         f"Python {env['python']}, {env['cpu']}. Differences are relative to {ref} at the same "
-        f"learning rate; negative is lower. Mean: of the last {LAST} steps' losses.",
+        f"learning rate; negative is lower. Mean: of the last {LAST} steps' losses. Data: "
+        + DATA_TEXT[args.data],
         "",
         "| lr | "
         + " | ".join(f"{c} final | mean" for c in args.configs)
@@ -178,7 +199,7 @@ def plot(args: argparse.Namespace, lrs: list[float], table: Table) -> bool:
         ax.plot(lrs, [row[c][0] for row in table], marker="o", label=c)
     ax.set_xlabel("learning rate")
     ax.set_ylabel(f"final loss after {1 + args.steps} steps")
-    ax.set_title("The bench's GPT: final loss over nearby learning rates")
+    ax.set_title(f"The bench's GPT ({args.data} data): final loss over nearby learning rates")
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.out / "convergence.png", dpi=120)

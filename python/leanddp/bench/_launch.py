@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from leanddp.bench._env import environment
-from leanddp.bench._model import SIZES, TinyGPT
+from leanddp.bench._model import DATA, SIZES, TinyGPT
 from leanddp.bench._report import plot, table
 from leanddp.bench._worker import (
     CONFIGS,
@@ -113,6 +113,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-cap-mb", type=float, default=2.0, help="every configuration's cap")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument(
+        "--data",
+        choices=DATA,
+        default="repeat",
+        help="repeat: 4 batches of random tokens in turn, learnt by heart (the loss falls "
+        "towards 0); markov: a new batch every step from a fixed chain whose tokens each have 2 "
+        "successors (the loss falls towards ln 2). Default: repeat",
+    )
+    p.add_argument(
         "--out", type=Path, default=Path("leanddp-bench"), help="default: ./leanddp-bench"
     )
     return p
@@ -178,7 +186,7 @@ def launch(
         "--config", name, "--accum", str(accum), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--host-steps", str(args.host_steps),
         "--model", args.model, "--dtype", args.dtype,
-        "--bucket-cap-mb", str(args.bucket_cap_mb), "--lr", str(args.lr),
+        "--bucket-cap-mb", str(args.bucket_cap_mb), "--lr", str(args.lr), "--data", args.data,
         "--device", args.device, "--result", str(result),
     ]  # fmt: skip
     env = dict(os.environ)

@@ -51,11 +51,42 @@ class TinyGPT(nn.Module):
         return h @ self.tok.weight.T
 
 
+#: What the bench trains on (``--data``): ``repeat``, 4 batches of uniformly random tokens taken
+#: in turn, which the model learns by heart (the loss falls towards 0); ``markov``, a new batch
+#: every step from a fixed chain in which each token is followed by one of ``MARKOV_BRANCHES``
+#: tokens, uniformly (the loss falls towards its floor, ln MARKOV_BRANCHES).
+DATA = ("repeat", "markov")
+MARKOV_BRANCHES = 2
+
+
 def batches(size: ModelSize, rank: int, count: int, device: torch.device) -> list[torch.Tensor]:
     """``count`` global batches of random tokens for ``rank``; the same for every configuration."""
     gen = torch.Generator().manual_seed(1 + rank)
     shape = (size.batch, size.seq + 1)
     return [torch.randint(0, size.vocab, shape, generator=gen).to(device) for _ in range(count)]
+
+
+def markov_batches(
+    size: ModelSize, rank: int, count: int, device: torch.device
+) -> list[torch.Tensor]:
+    """``count`` global batches for ``rank`` drawn from one fixed Markov chain (the same on
+    every rank): each sequence starts at a random token, and each token is followed by one of
+    its ``MARKOV_BRANCHES`` successors, uniformly. The cross entropy of a model that has learnt
+    the chain is ln MARKOV_BRANCHES; the same batches for every configuration."""
+    chain = torch.Generator().manual_seed(0)
+    successors = torch.stack(
+        [torch.randperm(size.vocab, generator=chain)[:MARKOV_BRANCHES] for _ in range(size.vocab)]
+    )
+    gen = torch.Generator().manual_seed(1 + rank)
+    out = []
+    for _ in range(count):
+        tokens = torch.empty(size.batch, size.seq + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, size.vocab, (size.batch,), generator=gen)
+        branch = torch.randint(0, MARKOV_BRANCHES, (size.batch, size.seq), generator=gen)
+        for j in range(size.seq):
+            tokens[:, j + 1] = successors[tokens[:, j], branch[:, j]]
+        out.append(tokens.to(device))
+    return out
 
 
 def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -168,7 +168,9 @@ def main_table(report: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
         "",
         f"{report['params'] / 1e6:.2f}M parameters, {args['dtype']}, {first['backend']}, "
         f"world size {first['world_size']}, bucket_cap_mb={args['bucket_cap_mb']}, "
-        f"{args['steps']} timed steps after {args['warmup']} (step time: median, and the "
+        f"{args['steps']} timed steps after {args['warmup']}"
+        + (", a new batch each step from a Markov chain" if args.get("data") == "markov" else "")
+        + " (step time: median, and the "
         "fastest–slowest step); vs torch DDP: the median step against torch's DDP + "
         "AdamW(fused=True) on the same model and data (8-bit rows: + torchao's AdamW8bit), "
         "alternating step by step in the same processes (host steps and device work included "

@@ -31,7 +31,7 @@ import leanddp
 from leanddp import _memory
 from leanddp._lifetime import leave
 from leanddp._stats import storage_bytes
-from leanddp.bench._model import SIZES, TinyGPT, batches, loss_of
+from leanddp.bench._model import DATA, SIZES, TinyGPT, batches, loss_of, markov_batches
 
 
 class Config(NamedTuple):
@@ -296,7 +296,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     size = SIZES[args.model]
-    data = batches(size, dist.get_rank(), 4, device)
+    if args.data == "markov":  # a new batch every training step (the steps timed after wrap)
+        data = markov_batches(size, dist.get_rank(), args.warmup + args.steps, device)
+    else:
+        data = batches(size, dist.get_rank(), 4, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base_mem = torch.cuda.memory_allocated(device)
@@ -370,6 +373,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     p.add_argument("--bucket-cap-mb", type=float, default=2.0)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--data", choices=DATA, default="repeat")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--result", required=True)
     return p.parse_args(argv)
