@@ -296,7 +296,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     size = SIZES[args.model]
-    if args.data == "markov":  # a new batch every training step (the steps timed after wrap)
+    if args.data == "markov":  # a new batch each training step; the later loops take them again
         data = markov_batches(size, dist.get_rank(), args.warmup + args.steps, device)
     else:
         data = batches(size, dist.get_rank(), 4, device)
