@@ -33,14 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from leanddp.bench._model import DATA
+
 REFERENCE = "torch DDP"
-#: the bench's --data choices (leanddp.bench._model.DATA), and what each is
-DATA_TEXT = {
-    "repeat": "4 batches of random tokens in turn, learnt by heart (the loss falls towards 0).",
-    "markov": "a new batch every step from a fixed Markov chain, each token followed by one of "
-    "2 tokens (the loss falls towards ln 2 = 0.693).",
-}
-DATA = tuple(DATA_TEXT)
 LAST = 20  # steps averaged for the mean final loss
 
 
@@ -59,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--data",
-        choices=DATA,
+        choices=list(DATA),
         default="repeat",
         help="the bench's data: repeat (4 batches learnt by heart) or markov (a new batch every "
         "step from a fixed chain; the loss has a floor). Default: repeat",
@@ -145,7 +140,8 @@ def report(args: argparse.Namespace, lrs: list[float], table: Table, env: dict[s
         f"gloo ranks, the tiny GPT, fp32, 1 + {args.steps} steps); torch {env['torch']}, "
         f"Python {env['python']}, {env['cpu']}. Differences are relative to {ref} at the same "
         f"learning rate; negative is lower. Mean: of the last {LAST} steps' losses. Data: "
-        + DATA_TEXT[args.data],
+        + DATA[args.data]
+        + ".",
         "",
         "| lr | "
         + " | ".join(f"{c} final | mean" for c in args.configs)

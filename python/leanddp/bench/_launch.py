@@ -114,11 +114,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument(
         "--data",
-        choices=DATA,
+        choices=list(DATA),
         default="repeat",
-        help="repeat: 4 batches of random tokens in turn, learnt by heart (the loss falls "
-        "towards 0); markov: a new batch every step from a fixed chain whose tokens each have 2 "
-        "successors (the loss falls towards ln 2). Default: repeat",
+        help="; ".join(f"{name}: {text}" for name, text in DATA.items()) + ". Default: repeat",
     )
     p.add_argument(
         "--out", type=Path, default=Path("leanddp-bench"), help="default: ./leanddp-bench"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import nn
@@ -51,12 +52,15 @@ class TinyGPT(nn.Module):
         return h @ self.tok.weight.T
 
 
-#: What the bench trains on (``--data``): ``repeat``, 4 batches of uniformly random tokens taken
-#: in turn, which the model learns by heart (the loss falls towards 0); ``markov``, a new batch
-#: every step from a fixed chain in which each token is followed by one of ``MARKOV_BRANCHES``
-#: tokens, uniformly (the loss falls towards its floor, ln MARKOV_BRANCHES).
-DATA = ("repeat", "markov")
 MARKOV_BRANCHES = 2
+#: What the bench trains on (``--data``), each choice with its description (the bench's --help,
+#: benchmarks/convergence.py's report): :func:`batches` taken in turn, or :func:`markov_batches`.
+DATA = {
+    "repeat": "4 batches of random tokens in turn, learnt by heart (the loss falls towards 0)",
+    "markov": "a new batch every step from a fixed Markov chain, each token followed by one of "
+    f"{MARKOV_BRANCHES} tokens (the loss falls towards ln {MARKOV_BRANCHES} = "
+    f"{math.log(MARKOV_BRANCHES):.3f})",
+}
 
 
 def batches(size: ModelSize, rank: int, count: int, device: torch.device) -> list[torch.Tensor]:

@@ -373,7 +373,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     p.add_argument("--bucket-cap-mb", type=float, default=2.0)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--data", choices=DATA, default="repeat")
+    p.add_argument("--data", choices=list(DATA), default="repeat")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--result", required=True)
     return p.parse_args(argv)
