@@ -8,7 +8,8 @@ connected, so the restart meets through fresh addresses (python/leanddp/_rendezv
 
 Launched as the issue ran it: torchrun --max-restarts 1 --master-port P (static). Round 0:
 every rank builds a wrapper and takes a step, then rank 1 dies. Round 1: rank 0 looks for
-round 0's keys, rank 1 comes late (so rank 0 reads before rank 1 writes), and both train."""
+round 0's keys while rank 1 waits for it to finish looking (a store key it sets), so rank 0
+reads before rank 1 writes however slowly either starts; then both train."""
 
 from __future__ import annotations
 
@@ -37,20 +38,23 @@ RANKS = textwrap.dedent(
 
     rank = int(os.environ["RANK"])
     round_ = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    if round_ > 0 and rank == 0:
-        # round 0's gloo keys, as torch nests its prefixes: "default_pg" / group "0/" /
-        # device "cpu/" / gloo device "0" / rank
+    if round_ > 0:
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-            timeout=datetime.timedelta(seconds=30),
+            timeout=datetime.timedelta(seconds=60),
         )
-        keys = dist.PrefixStore("default_pg", store)
-        for prefix in ("0/", "cpu/", "0"):
-            keys = dist.PrefixStore(prefix, keys)
-        stale = [r for r in range(int(os.environ["WORLD_SIZE"])) if keys.check([str(r)])]
-        print(f"round {round_} stale keys {stale}", flush=True)
-    if round_ > 0 and rank == 1:
-        time.sleep(2.0)  # rank 0 reads rank 1's key before rank 1 writes it
+        checked = f"test/round {round_} checked"
+        if rank == 0:
+            # round 0's gloo keys, as torch nests its prefixes: "default_pg" / group "0/" /
+            # device "cpu/" / gloo device "0" / rank
+            keys = dist.PrefixStore("default_pg", store)
+            for prefix in ("0/", "cpu/", "0"):
+                keys = dist.PrefixStore(prefix, keys)
+            stale = [r for r in range(int(os.environ["WORLD_SIZE"])) if keys.check([str(r)])]
+            print(f"round {round_} stale keys {stale}", flush=True)
+            store.set(checked, "1")
+        else:
+            store.wait([checked])  # rank 0 reads rank 1's key before rank 1 writes it
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(sys.argv[1])))
     torch.manual_seed(0)
     ddp = leanddp.DistributedDataParallel(torch.nn.Linear(8, 4))
