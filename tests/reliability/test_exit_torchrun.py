@@ -3,10 +3,14 @@ wrapper still alive at exit, no ``gc.collect()``, no barrier, with and without
 ``dist.destroy_process_group()``. In every leanddp mode it exits as cleanly as the same script
 with torch's DDP: a hang or an abort fails the test unless torch's DDP showed it in the same
 ending of the same test (torch's own gloo teardown abort, docs/troubleshooting.md), in which case
-it is reported as a warning. Each mode and ending runs once, through benchmarks/exit_counts.py,
+it is reported as a warning. Each launch runs once, through benchmarks/exit_counts.py,
 whose counts over ten runs docs/troubleshooting.md records ("Exiting without cleanup"); torch's
 DDP aborts there now and then without cleanup, so where only a leanddp mode aborted, torch's
-DDP is launched again in that ending, up to TORCH_RECHECKS times, to show it or not."""
+DDP is launched again in that ending, up to TORCH_RECHECKS times, to show it or not.
+
+Each run launches torch's DDP in both endings and every leanddp mode in one, the modes taking
+the two endings in turn, swapped every other seed (LEANDDP_TEST_SEED; support/rotation.py): over
+four seeds every mode meets both endings."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from rotation import alternate
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +30,10 @@ MODES = ["torch", "plain", "in_backward", "offload", "sharded", "offload_sharded
 ENDINGS = ["destroy", "none"]
 LAUNCH_TIMEOUT_S = 90  # a launch takes 5 to 35 s on 2 shared cores
 TORCH_RECHECKS = 8  # more launches of torch's DDP where only leanddp aborted
+#: this run's (mode, ending) launches (module docstring)
+CASES = [("torch", ending) for ending in ENDINGS] + [
+    (mode, alternate(j, ENDINGS)) for j, mode in enumerate(MODES[1:])
+]
 
 
 def verdict(launches: list[dict]) -> tuple[list[str], list[str], list[dict]]:
@@ -63,11 +72,13 @@ def run_tool(report: Path, *args: str) -> tuple[list[dict], str]:
 
 
 def test_a_script_ending_without_cleanup_exits_as_with_torch_ddp(tmp_path: Path) -> None:
-    launches, table = run_tool(tmp_path / "launches.json")
-    assert sorted((x["mode"], x["ending"]) for x in launches) == sorted(
-        (mode, ending) for mode in MODES for ending in ENDINGS
-    )
-    assert table.count("| leanddp ") == len(MODES) - 1, table  # the table's rows
+    launches, tables = [], ""
+    for ending in ENDINGS:  # the tool launches every mode it is given in every ending given
+        modes = [mode for mode, e in CASES if e == ending]
+        got, table = run_tool(tmp_path / f"{ending}.json", "--modes", *modes, "--endings", ending)
+        launches, tables = launches + got, tables + table
+    assert sorted((x["mode"], x["ending"]) for x in launches) == sorted(CASES)
+    assert tables.count("| leanddp ") == len(MODES) - 1, tables  # the tables' rows
     # torch's DDP aborts now and then at exit (its gloo teardown race): where a leanddp mode
     # aborted and torch's one launch did not, torch gets TORCH_RECHECKS more to show it
     torch_aborted = {

@@ -2,11 +2,11 @@
 step, then the same command line launched again (as torchrun's restart or a job scheduler does,
 no flag changed), ends where a run that never stopped ends, bit for bit: every step's loss and
 every parameter. In every mode, through both checkpoint paths (the gathered file and
-torch.distributed.checkpoint): each run takes half the modes through each path, the halves
-swapped by the run's seed (LEANDDP_TEST_SEED), so every run covers both paths and every mode
-meets both over runs, at half the launches. A rank killed while saving leaves the save before
-it to resume from, on both paths. (2 CPU ranks under torchrun;
-tests/support/torchrun_example.py.)"""
+torch.distributed.checkpoint). Each run launches half the modes, the halves swapped by the run's
+seed (LEANDDP_TEST_SEED; support/rotation.py), and its modes take the two paths in turn, so that
+every run covers both paths and, over four seeds, every mode meets both. A rank killed while
+saving leaves the save before it to resume from, on one path per run, the other in the next.
+(2 CPU ranks under torchrun; tests/support/torchrun_example.py.)"""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from rotation import alternate, this_runs_half
 from torchrun_example import example, final, killed, launch, losses
 
 pytestmark = pytest.mark.slow
@@ -61,11 +62,15 @@ def resumed_at(out: str) -> int:
     return int(found.group(1))
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+#: this run's modes, each with the checkpoint path it takes (module docstring)
+RUN_MODES = {mode: alternate(j, FORMATS) for j, mode in enumerate(this_runs_half(list(MODES)))}
+
+
+@pytest.mark.parametrize("mode", list(RUN_MODES))
 def test_a_killed_run_relaunched_ends_as_one_never_stopped(
-    mode: str, run_seed: int, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    mode: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    fmt = FORMATS[(list(MODES).index(mode) + run_seed) % len(FORMATS)]  # (module docstring)
+    fmt = RUN_MODES[mode]
     want_final, want_losses = straight(mode, tmp_path_factory.mktemp("straight"))
     rank, after = random.randrange(2), random.randrange(SAVE_EVERY + 1, STEPS)
     args = flags(mode, fmt, tmp_path)
@@ -107,7 +112,7 @@ _KILL_IN_SAVE = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", this_runs_half(FORMATS))
 def test_a_rank_killed_while_saving_leaves_the_save_before(
     fmt: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
