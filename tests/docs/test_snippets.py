@@ -1,6 +1,9 @@
 """Every Python block of README.md and docs/ that a user would copy runs, on the CPU with two
-gloo ranks started as torchrun starts them (tests/support/snippet_rank.py: the names a guide
-assumes defined, and the GPU lines put on the CPU by its ``ON_CPU`` table, nothing else).
+gloo ranks that have torchrun's environment (tests/support/snippet_rank.py: the names a guide
+assumes defined, and the GPU lines put on the CPU by its ``ON_CPU`` table, nothing else). The
+ranks are forked from the fork server of dist_harness.py, which has imported torch and leanddp
+once, rather than started as fresh interpreters that import them again (about 7 s of CPU per
+rank on the 2-core CI machine).
 
 A block right after ``<!-- given: CODE -->`` runs after CODE: what its section assumes of the
 script around it (a wrapper built with ``shard_optimizer_state``, a checkpoint path). The
@@ -11,22 +14,21 @@ Lightning and Accelerate guides' blocks run too, inside the two processes alread
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
-import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
-from dist_harness import _free_port
-
-import leanddp
+import snippet_rank
+from dist_harness import START_METHOD, _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-RANK = ROOT / "tests" / "support" / "snippet_rank.py"
-# the ranks import the leanddp this test imported (installed, or PYTHONPATH=python)
-PACKAGE_ROOT = str(Path(leanddp.__file__).resolve().parents[1])
+#: seconds both ranks of a snippet may take (a Lightning run on a busy 2-core machine: about 20)
+RANK_TIMEOUT_S = 180
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 GIVEN = "<!-- given: "
 _BLOCK = re.compile(r"^([ \t]*)```python\n(.*?)^\1```", re.S | re.M)
@@ -74,33 +76,41 @@ def test_snippet_runs(source: str, tmp_path: Path) -> None:
             pytest.importorskip(module, reason=f"the README's test command installs {module}")
     snippet = tmp_path / "snippet.py"
     snippet.write_text(source)
-    port = str(_free_port())
-    ranks = []
-    for rank in range(2):
-        env = dict(  # what torchrun sets
-            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
-            WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", ROLE_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port, TORCHELASTIC_RUN_ID="snippet",
-            PYTHONPATH=os.pathsep.join([str(ROOT / "examples"), PACKAGE_ROOT]),
-        )  # fmt: skip
-        ranks.append(
-            subprocess.Popen(
-                [sys.executable, str(RANK), str(snippet)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                cwd=tmp_path,  # (what a snippet writes: Lightning's checkpoints)
-            )  # fmt: skip
-        )
-    outputs = []
+    context = multiprocessing.get_context(START_METHOD)
+    port, logs = _free_port(), [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    ranks = [
+        context.Process(target=_rank, args=(rank, port, str(snippet), str(logs[rank])))
+        for rank in range(2)
+    ]
     for p in ranks:
-        try:
-            out, _ = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for q in ranks:
-                q.kill()
-            raise
-        outputs.append((p.returncode, out))
-    for rank, (code, out) in enumerate(outputs):
-        assert code == 0, f"rank {rank} exited {code}:\n{out[-4000:]}"
+        p.start()
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    for p in ranks:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, p in enumerate(ranks) if p.is_alive()]
+    for rank in hung:
+        ranks[rank].kill()
+    for rank, p in enumerate(ranks):
+        p.join()
+        out = logs[rank].read_text() if logs[rank].exists() else ""
+        assert rank not in hung, (
+            f"rank {rank} still running after {RANK_TIMEOUT_S} s:\n{out[-4000:]}"
+        )
+        assert p.exitcode == 0, f"rank {rank} exited {p.exitcode}:\n{out[-4000:]}"
+
+
+def _rank(rank: int, port: int, snippet: str, log: str) -> None:
+    """One rank, in a process forked from the server: torchrun's environment, the snippet's
+    folder as the working directory (what a snippet writes: Lightning's checkpoints), the
+    examples on the path (the guides' classes), and its output in ``log``."""
+    os.environ.update(  # what torchrun sets
+        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+        WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", ROLE_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="snippet",
+    )  # fmt: skip
+    os.chdir(Path(snippet).parent)
+    sys.path.insert(0, str(ROOT / "examples"))
+    with open(log, "w") as out:  # (the process's own descriptors: C++ writes there too)
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    snippet_rank.main(snippet)
