@@ -9,6 +9,10 @@ synchronize() in the middle of the accumulation), no weight of the failed step c
 loop that goes on (no zero_grad()) trains as torch's DDP that skipped that step: no later step
 uses a sum the failure left partial. Where one rank fails, it raises and the other raises within
 the process group's timeout; a rank that dies mid-step leaves no one hanging.
+
+Each case runs replicated or sharded, the two in turn, swapped every other run by the run's seed
+(LEANDDP_TEST_SEED; support/rotation.py): every run covers both, and over four seeds every case
+meets both. The rank dying runs one of the two per run.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 import torch.distributed as dist
 from fault_harness import PG_TIMEOUT, group, run_faulty
 from fault_models import ADAMW, Poison, Tower, assert_close, batches
+from rotation import alternate, this_runs_half
 
 import leanddp
 from leanddp._extension import _C
@@ -166,11 +171,22 @@ def _on_every_rank(rank: int, world_size: int, kind: str, shard: bool, surface: 
     return raised_at
 
 
+SHARDING = {False: "replicated", True: "sharded"}
+
+
+def _half(cases: list[tuple]) -> list[pytest.param]:
+    """Each case once, replicated or sharded in turn (module docstring)."""
+    return [
+        pytest.param(*case, shard, id="-".join([SHARDING[shard], *case]))
+        for j, case in enumerate(cases)
+        for shard in [alternate(j, [False, True])]
+    ]
+
+
 @pytest.mark.parametrize(
-    "kind,surface",
-    [("addition", "forward"), ("addition", "sync"), ("step", "forward")],
+    "kind,surface,shard",
+    _half([("addition", "forward"), ("addition", "sync"), ("step", "forward")]),
 )
-@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
 def test_a_host_job_failing_on_every_rank(kind: str, surface: str, shard: bool) -> None:
     outcomes = run_faulty(2, _on_every_rank, kind, shard, surface, limit=240)
     for o in outcomes:
@@ -216,8 +232,7 @@ def _on_one_rank(rank: int, world_size: int, kind: str, shard: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize("kind", ["addition", "step"])
-@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("kind,shard", _half([("addition",), ("step",)]))
 def test_a_host_job_failing_on_one_rank(kind: str, shard: bool) -> None:
     survivor, faulty = run_faulty(2, _on_one_rank, kind, shard, limit=180)
     assert survivor.error is None and faulty.error is None, survivor.message + faulty.message
@@ -257,7 +272,7 @@ def _die_soon() -> None:
     threading.Timer(0.3, os._exit, (17,)).start()
 
 
-@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("shard", this_runs_half([False, True]), ids=SHARDING.get)
 def test_a_rank_dying_while_its_worker_steps(shard: bool) -> None:
     survivor, dead = run_faulty(2, _dies_while_stepping, shard, limit=120)
     assert dead.died, dead
