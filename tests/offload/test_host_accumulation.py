@@ -27,6 +27,8 @@ from torch import nn
 
 import leanddp
 
+pytestmark = pytest.mark.leanddp_paths  # the host worker; CI's step 1 only (pyproject.toml)
+
 BATCH = 6
 STEPS = 3
 #: seconds the host worker sleeps before each addition and step (the forward-wait test)

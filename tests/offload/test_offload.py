@@ -486,6 +486,7 @@ def test_parameters_are_current_after_optimizer_step() -> None:
     run_ranks(2, _read_after_step)
 
 
+@LEANDDP_PATHS
 @pytest.mark.parametrize("after_error", [False, True])
 def test_released_on_its_own_worker_thread(after_error: bool) -> None:
     """The last reference to the host side dropped by its worker thread (its destructor runs

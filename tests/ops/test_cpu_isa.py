@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.leanddp_paths  # leanddp's kernels; CI's step 1 only (pyproject.toml)
+
 SCRIPT = r"""
 import itertools, sys, torch, leanddp
 from leanddp import ops

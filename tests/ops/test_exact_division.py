@@ -17,6 +17,8 @@ from torch.utils.cpp_extension import include_paths
 
 import leanddp
 
+pytestmark = pytest.mark.leanddp_paths  # a C++ check of leanddp's; CI's step 1 only
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

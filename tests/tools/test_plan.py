@@ -19,6 +19,8 @@ from torch import nn
 import leanddp
 from leanddp import _memory, plan
 
+pytestmark = pytest.mark.leanddp_paths  # leanddp's memory model; CI's step 1 only (pyproject.toml)
+
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "memory.md"
 MODES = {m.name: m for m in _memory.MODES}
 #: docs/memory.md's table rows, in order, and the configuration each describes
