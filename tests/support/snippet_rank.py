@@ -1,5 +1,6 @@
 """One rank of a documentation snippet, as torchrun would start it (CPU, gloo): the runner of
-tests/docs/test_snippets.py starts two of these with torchrun's environment variables.
+tests/docs/test_snippets.py forks two processes from its fork server that set torchrun's
+environment variables and call :func:`main`.
 
 The snippet finds the names a guide assumes already defined (``model``, ``loader``,
 ``local_rank``, ...; :func:`given`), and the process group initialised unless it initialises it
@@ -8,7 +9,7 @@ change made to it. A snippet that leaves a ``leanddp.DistributedDataParallel`` i
 without training it then trains it one step, so that a wrapper built with every argument of the
 snippet also runs.
 
-Usage: ``python snippet_rank.py SNIPPET_FILE``
+By hand: ``torchrun --nproc-per-node 2 snippet_rank.py SNIPPET_FILE``
 """
 
 from __future__ import annotations
