@@ -3,7 +3,7 @@ wrapper still alive at exit, no ``gc.collect()``, no barrier, with and without
 ``dist.destroy_process_group()``. In every leanddp mode it exits as cleanly as the same script
 with torch's DDP: a hang or an abort fails the test unless torch's DDP showed it in the same
 ending of the same test (torch's own gloo teardown abort, docs/troubleshooting.md), in which case
-it is reported as a warning. Each launch runs once, through benchmarks/exit_counts.py,
+it is reported as a warning. Launches go through benchmarks/exit_counts.py, once each,
 whose counts over ten runs docs/troubleshooting.md records ("Exiting without cleanup"); torch's
 DDP aborts there now and then without cleanup, so where only a leanddp mode aborted, torch's
 DDP is launched again in that ending, up to TORCH_RECHECKS times, to show it or not.
