@@ -91,8 +91,9 @@ def _seed(request):
 
 @pytest.fixture
 def run_seed() -> int:
-    """The run's seed (LEANDDP_TEST_SEED), the same for every test of a run: for a choice that
-    must change between runs alike across tests (which tests take which half of a matrix)."""
+    """The run's seed (LEANDDP_TEST_SEED), the same for every test of a run, inside a test (a
+    choice made at collection, such as which half of a matrix a run takes, reads it through
+    support/rotation.py)."""
     return BASE_SEED
 
 
