@@ -56,8 +56,9 @@ def parser() -> argparse.ArgumentParser:
         "--data",
         choices=list(DATA),
         default="repeat",
-        help="the bench's data: repeat (4 batches learnt by heart) or markov (a new batch every "
-        "step from a fixed chain; the loss has a floor). Default: repeat",
+        help="the bench's data: "
+        + "; ".join(f"{name}, {text}" for name, text in DATA.items())
+        + ". Default: repeat",
     )
     p.add_argument("--out", type=Path, default=Path("leanddp-convergence"))
     return p
