@@ -95,12 +95,13 @@ def run_ranks(
     deadline_s: float,
     what: str,
     start_method: str = "spawn",
+    knob: str = "--deadline-s",
 ) -> None:
     """Runs ``fn(rank, *args)`` in ``nprocs`` processes (``fn`` module-level, for spawn) and
-    waits for them all; raises what a rank raised, or ``TimeoutError`` naming ``what`` once
-    ``deadline_s`` seconds have passed (see module doc)."""
+    waits for them all; raises what a rank raised, or ``TimeoutError`` naming ``what`` and
+    ``knob`` (the deadline's setting) once ``deadline_s`` seconds have passed (see module doc)."""
     with tempfile.TemporaryDirectory(prefix="ranks-stacks-") as folder:
         ranks = mp.start_processes(
             _entry, args=(fn, args, folder), nprocs=nprocs, join=False, start_method=start_method
         )
-        join_by_deadline(ranks, folder, deadline_s, what, "--deadline-s")
+        join_by_deadline(ranks, folder, deadline_s, what, knob)

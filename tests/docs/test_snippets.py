@@ -14,17 +14,15 @@ Lightning and Accelerate guides' blocks run too, inside the two processes alread
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import snippet_rank
-from dist_harness import START_METHOD, _free_port
+from dist_harness import START_METHOD, _free_port, run_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 #: seconds both ranks of a snippet may take (a Lightning run on a busy 2-core machine: about 20)
@@ -76,33 +74,24 @@ def test_snippet_runs(source: str, tmp_path: Path) -> None:
             pytest.importorskip(module, reason=f"the README's test command installs {module}")
     snippet = tmp_path / "snippet.py"
     snippet.write_text(source)
-    context = multiprocessing.get_context(START_METHOD)
-    port, logs = _free_port(), [tmp_path / f"rank{rank}.log" for rank in range(2)]
-    ranks = [
-        context.Process(target=_rank, args=(rank, port, str(snippet), str(logs[rank])))
-        for rank in range(2)
-    ]
-    for p in ranks:
-        p.start()
-    deadline = time.monotonic() + RANK_TIMEOUT_S
-    for p in ranks:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, p in enumerate(ranks) if p.is_alive()]
-    for rank in hung:
-        ranks[rank].kill()
-    for rank, p in enumerate(ranks):
-        p.join()
-        out = logs[rank].read_text() if logs[rank].exists() else ""
-        assert rank not in hung, (
-            f"rank {rank} still running after {RANK_TIMEOUT_S} s:\n{out[-4000:]}"
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    try:
+        run_processes(
+            2, _rank, (_free_port(), str(snippet)), RANK_TIMEOUT_S, "the snippet's ranks",
+            START_METHOD, "RANK_TIMEOUT_S",
+        )  # fmt: skip
+    except Exception as e:  # (a rank raised, exited non-zero or ran past the deadline)
+        out = "".join(
+            f"--- rank {r} ---\n{log.read_text()[-4000:] if log.exists() else ''}"
+            for r, log in enumerate(logs)
         )
-        assert p.exitcode == 0, f"rank {rank} exited {p.exitcode}:\n{out[-4000:]}"
+        raise AssertionError(f"{e}\n{out}") from e
 
 
-def _rank(rank: int, port: int, snippet: str, log: str) -> None:
+def _rank(rank: int, port: int, snippet: str) -> None:
     """One rank, in a process forked from the server: torchrun's environment, the snippet's
     folder as the working directory (what a snippet writes: Lightning's checkpoints), the
-    examples on the path (the guides' classes), and its output in ``log``."""
+    examples on the path (the guides' classes), and its output in ``rank{rank}.log`` there."""
     os.environ.update(  # what torchrun sets
         RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
         WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", ROLE_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
@@ -110,7 +99,7 @@ def _rank(rank: int, port: int, snippet: str, log: str) -> None:
     )  # fmt: skip
     os.chdir(Path(snippet).parent)
     sys.path.insert(0, str(ROOT / "examples"))
-    with open(log, "w") as out:  # (the process's own descriptors: C++ writes there too)
+    with open(f"rank{rank}.log", "w") as out:  # (the process's descriptors: C++ writes there)
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
     snippet_rank.main(snippet)

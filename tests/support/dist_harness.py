@@ -40,6 +40,7 @@ from leanddp._lifetime import leave
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from _ranks import arm_stack_dump, join_by_deadline  # noqa: E402 (the deadline's stack dumps)
 from _ranks import free_port as _free_port  # noqa: E402
+from _ranks import run_ranks as run_processes  # noqa: E402, F401 (re-exported: own groups)
 
 #: How ranks start: forked from multiprocessing's fork server, a process started once that has
 #: imported torch and leanddp (START_PRELOAD), rather than each a fresh interpreter that imports
